@@ -1,0 +1,116 @@
+"""Forward over a packed row of sequences without attention across sequence boundaries.
+
+How isolation is achieved (checked in transformers 5.24 ``masking_utils``): when the backbone gets
+``attention_mask=None``, no KV cache (``use_cache=False``) and ``position_ids`` that restart at 0 for every
+sequence, ``find_packed_sequence_indices`` detects the packed format and builds a block-diagonal causal mask
+(sdpa/eager/flex), and flash-attention derives varlen ``cu_seqlens`` from the same position ids. So no explicit 4D
+mask is needed, and none is passed (a 4D mask would break flash-attention). The one requirement is that
+``position_ids`` restart exactly at every ``cu_seq_lens`` boundary, which ``check_packed_positions`` enforces.
+
+The model is taken as an argument and reached through ``get_decoder()`` / ``get_output_embeddings()`` so the same
+code runs on a plain HF model and inside an FSDP2-wrapped module's forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlpipe.errors import DataError
+
+if TYPE_CHECKING:
+    from rlpipe.data.packing import Pack
+
+
+def expected_position_ids(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """Position ids that restart at 0 at every boundary of ``cu_seq_lens`` (``[num_segments + 1]``)."""
+    cu = cu_seq_lens.to(torch.long).cpu()
+    lengths = cu[1:] - cu[:-1]
+    if cu[0].item() != 0 or cu[-1].item() != length or (lengths < 0).any():
+        raise DataError(
+            f"cu_seq_lens {cu.tolist()} must start at 0, be non-decreasing and end at the pack length {length}",
+            field="cu_seq_lens",
+        )
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    return torch.arange(length, dtype=torch.long) - starts
+
+
+def check_packed_positions(position_ids: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
+    """Raise DataError unless ``position_ids`` restart at 0 exactly at the ``cu_seq_lens`` boundaries.
+
+    Why: transformers infers sequence boundaries from position ids; a mismatch would silently let tokens attend
+    across sequences.
+    """
+    pos = position_ids.reshape(-1)
+    expected = expected_position_ids(cu_seq_lens, pos.numel())
+    if not torch.equal(pos.cpu().to(torch.long), expected):
+        bad = int((pos.cpu().to(torch.long) != expected).nonzero()[0].item())
+        raise DataError(
+            f"position_ids do not restart at the cu_seq_lens boundaries (first mismatch at position {bad}: "
+            f"got {int(pos[bad])}, expected {int(expected[bad])})",
+            field="position_ids",
+        )
+
+
+def packed_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    check: bool = True,
+) -> torch.Tensor:
+    """Final hidden states ``[L, H]`` of a packed row (1-D ``input_ids``/``position_ids`` of length L).
+
+    ``check=False`` skips the boundary check (a host sync) when the caller built the pack itself.
+    """
+    if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+        raise DataError(
+            f"packed input_ids/position_ids must be 1-D of equal length, got {tuple(input_ids.shape)} and "
+            f"{tuple(position_ids.shape)}",
+            field="input_ids",
+        )
+    if check:
+        check_packed_positions(position_ids, cu_seq_lens)
+    backbone = model.get_decoder()
+    out = backbone(
+        input_ids=input_ids.unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0),
+        attention_mask=None,  # None + restarting position_ids => transformers builds the packed (block) mask
+        use_cache=False,  # a cache disables packed-sequence detection
+    )
+    return out.last_hidden_state[0]
+
+
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The ``[V, H]`` output projection (tied or not), so logits can be computed chunk by chunk."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise NotImplementedError("token_logprobs needs a bias-free linear LM head")
+    return head.weight
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | Pack,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+    shifted_labels: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Logprob of ``shifted_labels[t]`` at every position ``t`` (``[L]``, 0 where the label is -100).
+
+    Call either as ``token_logprobs(model, pack, chunk_size=...)`` with a ``rlpipe.data.packing.Pack`` or with the
+    four tensors. Logits are never materialised for all tokens at once (``rlpipe.algos.logprobs.chunked_logprobs``).
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        pack = input_ids
+        input_ids, position_ids = pack.input_ids, pack.position_ids
+        cu_seq_lens, shifted_labels = pack.cu_seq_lens, pack.shifted_labels
+    if position_ids is None or cu_seq_lens is None or shifted_labels is None:
+        raise TypeError("token_logprobs needs a Pack or input_ids, position_ids, cu_seq_lens and shifted_labels")
+    # Imported here: rlpipe.algos is a sibling package and must stay importable without models.
+    from rlpipe.algos.logprobs import chunked_logprobs
+
+    hidden = packed_hidden_states(model, input_ids, position_ids, cu_seq_lens)
+    return chunked_logprobs(hidden, lm_head_weight(model), shifted_labels.to(hidden.device), chunk_size)

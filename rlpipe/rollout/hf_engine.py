@@ -1,0 +1,111 @@
+"""Batched HF ``generate`` rollout engine (the default; runs wherever the policy weights live).
+
+Prompts are repeated ``n`` times, left-padded with an attention mask (positions then start at 0 for every row,
+as in training), and sampled with a KV cache. Logprobs come from the raw logits generate returns
+(``output_logits=True``), so they are the untempered, unfiltered policy distribution the trainer scores.
+The model's own ``generation_config`` is ignored during rollout: transformers 5 would otherwise fill unset fields
+(repetition penalty, min_p, ...) from it and silently change the sampling distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from rlpipe.errors import ConfigError
+from rlpipe.rollout.engine import Generation, SamplingParams, truncate_at_stop
+
+
+class HFRolloutEngine:
+    """``RolloutEngine`` over an HF causal LM (plain or FSDP2-wrapped) via ``model.generate``."""
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int, batch_size: int = 64):
+        if batch_size < 1:
+            raise ConfigError(f"rollout batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_id = int(eos_token_id)
+        self.batch_size = batch_size
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        stop = [self.eos_token_id] + [t for t in params.stop_token_ids if t != self.eos_token_id]
+        return GenerationConfig(
+            do_sample=not params.greedy,
+            # greedy: leave sampling knobs unset (the model's own generation_config is swapped out, so unset stays unset)
+            temperature=None if params.greedy else params.temperature,
+            top_p=None if params.greedy else params.top_p,
+            top_k=None if params.greedy else params.top_k,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=stop,
+            pad_token_id=self.pad_token_id,
+            bos_token_id=None,
+            num_beams=1,
+            repetition_penalty=1.0,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+                mask[i, width - len(r) :] = 1
+        dev = self._device()
+        return ids.to(dev), mask.to(dev)
+
+    @torch.no_grad()
+    def _generate_batch(
+        self, rows: list[list[int]], gen_cfg: GenerationConfig
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        ids, mask = self._left_pad(rows)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+        new = out.sequences[:, ids.shape[1] :]  # [B, S]
+        # Raw logits per step -> logprob of the sampled token, step by step (never [B, S, V] in fp32 at once).
+        lps = torch.stack(
+            [
+                torch.log_softmax(step.float(), dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+                for t, step in enumerate(out.logits)
+            ],
+            dim=1,
+        )
+        return new.cpu().tolist(), lps.cpu().tolist()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample ``params.n`` responses per prompt; same model, prompts, params and batch_size => same samples."""
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ConfigError(f"rollout: prompt {i} is empty (a prompt needs at least one token, e.g. BOS)")
+        rows = [(pi, si) for pi in range(len(prompts)) for si in range(params.n)]
+        gen_cfg = self._generation_config(params)
+        stop_ids = set(gen_cfg.eos_token_id)
+        model = self.model
+        was_training = model.training
+        saved_gen_cfg = getattr(model, "generation_config", None)
+        model.eval()
+        model.generation_config = GenerationConfig(pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id)
+        results: list[Generation] = []
+        dev = self._device()
+        try:
+            # fork_rng: a rollout must not advance the caller's global RNG (the trainer's dropout/shuffle streams).
+            cuda_ids = (
+                [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+            )
+            with torch.random.fork_rng(devices=cuda_ids):
+                torch.manual_seed(params.seed)
+                for start in range(0, len(rows), self.batch_size):
+                    chunk = rows[start : start + self.batch_size]
+                    toks, lps = self._generate_batch([prompts[pi] for pi, _ in chunk], gen_cfg)
+                    for (pi, si), t, lp in zip(chunk, toks, lps, strict=True):
+                        resp, resp_lp, reason = truncate_at_stop(t, lp, stop_ids, self.eos_token_id)
+                        results.append(Generation(pi, si, resp, resp_lp, reason))
+        finally:
+            model.generation_config = saved_gen_cfg
+            model.train(was_training)
+        return results

@@ -1,0 +1,142 @@
+"""Packed forward: no attention across sequence boundaries; packed logprobs == per-sequence logprobs."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from rlpipe.data.packing import SequenceItem, pack_sequences
+from rlpipe.errors import DataError
+from rlpipe.models.packed import (
+    check_packed_positions,
+    expected_position_ids,
+    lm_head_weight,
+    packed_hidden_states,
+    token_logprobs,
+)
+from rlpipe.models.tiny import TinyModelConfig, build_tiny_model
+
+VOCAB = 50
+
+
+def _eager_chunked_logprobs(hidden, weight, labels, chunk_size):
+    """Reference (test-only fallback): full logits, log_softmax, gather; 0 where label == -100."""
+    logp = torch.log_softmax((hidden.float() @ weight.float().T), dim=-1)
+    safe = labels.clamp(min=0)
+    out = logp.gather(-1, safe[:, None]).squeeze(-1)
+    return torch.where(labels == -100, torch.zeros_like(out), out)
+
+
+@pytest.fixture(autouse=True)
+def _chunked_logprobs_available(monkeypatch):
+    try:
+        import rlpipe.algos.logprobs  # noqa: F401
+    except ImportError:
+        fake = types.ModuleType("rlpipe.algos.logprobs")
+        fake.chunked_logprobs = _eager_chunked_logprobs
+        monkeypatch.setitem(sys.modules, "rlpipe.algos", types.ModuleType("rlpipe.algos"))
+        monkeypatch.setitem(sys.modules, "rlpipe.algos.logprobs", fake)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request):
+    m = build_tiny_model(TinyModelConfig(arch=request.param, hidden_size=32, intermediate_size=64), VOCAB, seed=0)
+    return m
+
+
+def _sequences():
+    g = torch.Generator().manual_seed(0)
+    lens = [(3, 4), (5, 1), (2, 7)]  # (prompt, response) of different lengths
+    return [
+        (torch.randint(3, VOCAB, (p,), generator=g).tolist(), torch.randint(3, VOCAB, (r,), generator=g).tolist())
+        for p, r in lens
+    ]
+
+
+def _reference_logprobs(model, prompt, response):
+    """Naive loop: run one sequence alone through the full model and read log p(response_j | prefix)."""
+    ids = torch.tensor(prompt + response)[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    out = []
+    for j, tok in enumerate(response):
+        out.append(logp[len(prompt) - 1 + j, tok].item())
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logprobs_equal_per_sequence(model, attn):
+    model.set_attn_implementation(attn)
+    seqs = _sequences()
+    items = [SequenceItem(p, r, row=i) for i, (p, r) in enumerate(seqs)]
+    (pack,) = pack_sequences(items, pack_max_length=32, pad_token_id=0)  # one pack + a padding segment
+    assert pack.num_sequences == 3
+    with torch.no_grad():
+        lp = token_logprobs(model, pack, chunk_size=4)
+    assert lp.shape == (32,)
+    assert torch.all(lp[pack.shifted_labels == -100] == 0)
+    for row, (p, r) in enumerate(seqs):
+        ref = torch.tensor(_reference_logprobs(model, p, r))
+        got = lp[(pack.seq_index == row) & (pack.shifted_labels != -100)]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    model.set_attn_implementation("sdpa")
+
+
+def test_tensor_form_equals_pack_form_and_hidden_is_isolated(model):
+    seqs = _sequences()
+    items = [SequenceItem(p, r, row=i) for i, (p, r) in enumerate(seqs)]
+    (pack,) = pack_sequences(items, pack_max_length=32, pad_token_id=0)
+    with torch.no_grad():
+        a = token_logprobs(model, pack)
+        b = token_logprobs(model, pack.input_ids, pack.position_ids, pack.cu_seq_lens, pack.shifted_labels, 1024)
+        h = packed_hidden_states(model, pack.input_ids, pack.position_ids, pack.cu_seq_lens)
+        # changing the first sequence must not change the hidden states of later ones
+        ids2 = pack.input_ids.clone()
+        first = pack.seq_index == pack.seq_index[0]
+        ids2[first] = (ids2[first] + 1) % VOCAB
+        h2 = packed_hidden_states(model, ids2, pack.position_ids, pack.cu_seq_lens)
+    torch.testing.assert_close(a, b)
+    assert h.shape == (32, model.config.hidden_size)
+    torch.testing.assert_close(h[~first], h2[~first], atol=1e-6, rtol=0)
+    assert not torch.allclose(h[first], h2[first])
+
+
+def test_a_kv_cache_would_leak_across_sequences(model):
+    """Why packed_hidden_states passes use_cache=False: with a cache transformers skips packed detection."""
+    seqs = _sequences()
+    (pack,) = pack_sequences([SequenceItem(p, r, row=i) for i, (p, r) in enumerate(seqs)], 32, 0)
+    with torch.no_grad():
+        leaky = model.get_decoder()(
+            input_ids=pack.input_ids[None], position_ids=pack.position_ids[None], use_cache=True
+        ).last_hidden_state[0]
+        good = packed_hidden_states(model, pack.input_ids, pack.position_ids, pack.cu_seq_lens)
+    assert not torch.allclose(leaky, good, atol=1e-3)
+
+
+def test_lm_head_weight_tied_and_untied():
+    tied = build_tiny_model(TinyModelConfig(hidden_size=16, intermediate_size=32), VOCAB, 0)
+    assert lm_head_weight(tied).data_ptr() == tied.get_input_embeddings().weight.data_ptr()
+    untied = build_tiny_model(
+        TinyModelConfig(hidden_size=16, intermediate_size=32, tie_word_embeddings=False), VOCAB, 0
+    )
+    w = lm_head_weight(untied)
+    assert w.shape == (VOCAB, 16) and w.data_ptr() != untied.get_input_embeddings().weight.data_ptr()
+
+
+def test_position_checks():
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    assert expected_position_ids(cu, 8).tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    check_packed_positions(torch.tensor([0, 1, 2, 0, 1, 0, 1, 2]), cu)
+    with pytest.raises(DataError, match="position 3"):
+        check_packed_positions(torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]), cu)
+    with pytest.raises(DataError, match="cu_seq_lens"):
+        expected_position_ids(torch.tensor([0, 3, 9]), 8)
+
+
+def test_rejects_2d_input(model):
+    with pytest.raises(DataError, match="1-D"):
+        packed_hidden_states(model, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), None)
