@@ -1,2 +1,3 @@
 """rlpipe: RL post-training for causal LMs."""
+
 __version__ = "0.1.0"

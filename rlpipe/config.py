@@ -1,0 +1,251 @@
+"""Pipeline configuration: one pydantic tree, loadable from YAML, with every field documented.
+
+Unknown fields are rejected everywhere (`extra="forbid"`) so a typo in a YAML file is an error, not a silent default.
+The defaults describe the built-in demo: a tiny char-level model learning to count letters on CPU in minutes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlpipe.errors import ConfigError
+from rlpipe.models.tiny import TinyModelConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Which policy to train and how to load it."""
+
+    path: str | None = Field(
+        None, description="Local HF model directory (config.json + weights + tokenizer). None builds the tiny default."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the policy.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model directory. Off by default.")
+    attn_implementation: str = Field(
+        "sdpa", description="transformers attention backend (sdpa, eager, flash_attention_2)."
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the tiny default model.")
+    warmup_sft_steps: int = Field(
+        250,
+        ge=0,
+        description="SFT steps on the built-in task's demonstrations when the tiny default model is first built, so RL "
+        "starts from a policy that sometimes succeeds (RL from random weights has no reward signal).",
+    )
+    warmup_sft_batch_size: int = Field(32, ge=1, description="Sequences per warm-up SFT step.")
+    warmup_sft_lr: float = Field(3e-3, gt=0, description="Learning rate of the warm-up SFT.")
+
+
+class DataConfig(_Strict):
+    """Prompt data: a built-in synthetic task or a user parquet/jsonl file (verl-style columns)."""
+
+    task: str | None = Field("count", description="Built-in task name (count, reverse, add, mix); ignored if path set.")
+    path: str | None = Field(None, description="Prompt dataset file (.parquet or .jsonl); overrides `task`.")
+    num_prompts: int = Field(2000, ge=1, description="Number of prompts generated for a built-in task.")
+    eval_path: str | None = Field(None, description="Held-out prompt file for `evaluate`; built-in tasks generate one.")
+    num_eval_prompts: int = Field(64, ge=1, description="Held-out prompts generated for a built-in task.")
+    max_prompt_length: int = Field(64, ge=1, description="Prompts longer than this (in tokens) are an error.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt (chat messages or text).")
+    apply_chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
+    seed: int = Field(0, description="Seed of the built-in task generator and of the prompt sampler's shuffle.")
+
+
+class SFTConfig(_Strict):
+    """Periodic SFT steps mixed into RL (the seed's `rollout_steps_per_sft`)."""
+
+    enabled: bool = Field(False, description="Run one SFT step every `rollout_steps_per_sft` RL iterations.")
+    path: str | None = Field(None, description="SFT file (messages or prompt/response); None uses the built-in task.")
+    num_examples: int = Field(2000, ge=1, description="Demonstrations generated when the built-in task is used.")
+    rollout_steps_per_sft: int = Field(1, ge=1, description="RL iterations between two SFT steps.")
+    global_batch_size: int = Field(16, ge=1, description="SFT sequences per step, over all ranks.")
+    max_length: int = Field(128, ge=1, description="Longest SFT sequence (prompt + response) in tokens.")
+    loss_weight: float = Field(1.0, gt=0, description="Multiplier on the SFT cross-entropy.")
+
+
+class RolloutConfig(_Strict):
+    """Sampling: how many prompts per iteration, how many responses per prompt, how they are scored."""
+
+    engine: Literal["hf", "openai"] = Field("hf", description="hf: batched generate in the workers; openai: a server.")
+    server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible server (engine=openai).")
+    server_model: str | None = Field(None, description="Model name sent to the server (engine=openai).")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per RL iteration (global).")
+    n: int = Field(8, ge=1, description="Responses per prompt: the group size of group-relative advantages.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    max_new_tokens: int = Field(6, ge=1, description="Longest response in tokens.")
+    batch_size: int = Field(256, ge=1, description="Sequences per generate call (memory bound).")
+    judge: str = Field("auto", description="Reward function name (see rlpipe.rollout.judges.JUDGES).")
+    filter_uniform_groups: bool = Field(False, description="Drop groups whose rewards are all equal (no signal).")
+    eval_temperature: float = Field(0.0, ge=0, description="Temperature of `evaluate` (0 = greedy).")
+
+
+class RolloutISConfig(_Strict):
+    """Rollout importance sampling: correct for the rollout engine's distribution differing from the trainer's."""
+
+    enabled: bool = Field(False, description="Multiply the policy loss by old/rollout importance weights.")
+    level: Literal["token", "sequence", "geometric"] = Field("token", description="Granularity of the weight.")
+    mode: Literal["truncate", "mask", "both"] = Field("truncate", description="How weights outside bounds are handled.")
+    upper: float = Field(2.0, gt=0, description="Upper threshold of the weight.")
+    lower: float | None = Field(None, description="Lower threshold (mask/both); default 1/upper.")
+    veto_threshold: float | None = Field(None, description="Zero a whole sequence if any token ratio is below this.")
+
+
+class AlgoConfig(_Strict):
+    """The RL objective."""
+
+    advantage: str = Field("grpo", description="Advantage estimator (grpo, rloo, dr_grpo, opo, pass_at_k).")
+    pass_at_k: int = Field(4, ge=1, description="k of the pass_at_k advantage.")
+    policy_loss: str = Field("vanilla", description="Policy loss (vanilla/ppo_clip, gspo).")
+    clip_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio (1 - clip_low).")
+    clip_high: float = Field(0.28, ge=0, description="Upper clip range (1 + clip_high): clip-higher of DAPO.")
+    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant for negative advantages.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become one number (token-mean uses the global token count)."
+    )
+    use_kl_loss: bool = Field(False, description="Add a KL-to-reference term to the loss (builds a reference model).")
+    kl_coef: float = Field(0.001, ge=0, description="Weight of the KL term.")
+    kl_kind: str = Field("low_var_kl", description="KL estimator (k1, abs, k2, k3/low_var_kl).")
+    rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig, description="Rollout importance sampling.")
+    chunk_size: int = Field(1024, ge=1, description="Tokens per chunk of the chunked logprob (memory vs speed).")
+
+
+class TrainConfig(_Strict):
+    """Optimisation and parallelism of the training workers."""
+
+    world_size: int = Field(2, ge=1, description="Training workers (Ray actors), one rank each.")
+    sp_size: int = Field(1, ge=1, description="Sequence-parallel size; must divide world_size (dp = world/sp).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda with nccl if available, else cpu/gloo."
+    )
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per CPU worker.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of the peak (linear/cosine).")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm; a non-finite norm skips the step.")
+    optimizer_steps: int = Field(1, ge=1, description="Optimizer steps per RL iteration (mini-batches).")
+    pack_max_length: int = Field(512, ge=8, description="Token budget of one packed micro-batch.")
+    seed: int = Field(0, description="Seed of model init, sampling and shuffles.")
+    deterministic: bool = Field(True, description="torch deterministic algorithms (identical reruns on CPU).")
+    ref_load_from: str | None = Field(None, description="Reference model dir for KL; None uses the base policy.")
+    fsdp: bool = Field(True, description="Shard the policy with FSDP2 (fully_shard) over the dp ranks.")
+
+
+class CheckpointConfig(_Strict):
+    """Where checkpoints go and what they contain."""
+
+    root: str = Field("runs/checkpoints", description="Checkpoint root; one sub-directory per experiment.")
+    every: int = Field(0, ge=0, description="Also checkpoint every N iterations inside a segment (0 = segment end).")
+    save_optimizer: bool = Field(True, description="Store optimizer state (needed for exact resume).")
+    save_hf: bool = Field(False, description="Also export safetensors in HF format (for vLLM/SGLang serving).")
+
+
+class PipelineConfig(_Strict):
+    """Everything one RL run needs."""
+
+    experiment: str = Field("grpo-count", description="Experiment name: checkpoint sub-directory and lineage key.")
+    output_dir: str = Field("runs", description="Base model, metrics.jsonl and generated data go here.")
+    iterations: int = Field(30, ge=1, description="RL iterations in total.")
+    segment_size: int = Field(10, ge=1, description="Iterations per Ray job in the segment workflow.")
+    eval_every: int = Field(0, ge=0, description="Evaluate on held-out prompts every N iterations (0 = never).")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Periodic SFT.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling and rewards.")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="Objective.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and parallelism.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PipelineConfig:
+        if self.train.world_size % self.train.sp_size != 0:
+            raise ValueError(
+                f"train.world_size={self.train.world_size} is not divisible by train.sp_size={self.train.sp_size}"
+            )
+        if self.train.sp_size != 1:
+            raise ValueError("train.sp_size > 1 (sequence parallelism) is not implemented yet; use 1")
+        if self.data.path is None and self.data.task is None:
+            raise ValueError("data: set either `path` (a prompt file) or `task` (a built-in task)")
+        if self.sft.enabled and self.sft.path is None and self.data.task is None:
+            raise ValueError("sft.enabled needs sft.path (an SFT file) or a built-in data.task to generate demos")
+        if self.rollout.engine == "openai" and not self.rollout.server_url:
+            raise ValueError("rollout.engine=openai needs rollout.server_url")
+        if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ValueError(
+                f"algo.advantage={self.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)"
+            )
+        if self.rollout.prompts_per_step % (self.train.world_size // self.train.sp_size) != 0:
+            raise ValueError("rollout.prompts_per_step must be a multiple of the data-parallel size")
+        return self
+
+    @property
+    def dp_size(self) -> int:
+        return self.train.world_size // self.train.sp_size
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.root) / self.experiment
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> PipelineConfig:
+    """Read a YAML config (None = defaults), apply dotted `overrides`, validate; errors name the file and field."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    return validate_config(raw, source=str(path) if path else "<defaults>")
+
+
+def validate_config(raw: dict, source: str = "<config>") -> PipelineConfig:
+    """Validate a plain dict into a PipelineConfig, turning pydantic's report into one ConfigError."""
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid config {source}: {problems}") from exc
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`a.b=3` -> ("a.b", 3); the value is parsed as YAML so numbers, bools and lists work."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value")
+    key, value = text.split("=", 1)
+    parsed = yaml.safe_load(value)
+    if isinstance(parsed, str):  # YAML 1.1 reads "1e-4" as a string; numbers typed on a command line are numbers
+        try:
+            parsed = float(parsed)
+        except ValueError:
+            pass
+    return key.strip(), parsed
+
+
+def _set_dotted(tree: dict, dotted: str, value: object) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value

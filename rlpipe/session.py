@@ -1,0 +1,298 @@
+"""RLSession: the resident state of a run (workers, data, samplers, counters) and one method per phase.
+
+The phase functions in `rlpipe.pipeline` open a session from a checkpoint, run one phase and save; `run_segment`
+keeps one session for k iterations. Both paths call the same methods, so they produce the same numbers.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rlpipe.config import PipelineConfig
+from rlpipe.data.datasets import PromptDataset, load_prompt_dataset
+from rlpipe.data.packing import Pack, pack_sequences, scatter_to_rows
+from rlpipe.data.sampler import PromptSampler
+from rlpipe.data.sft import SFTDataset, load_sft_dataset, sft_sequence_items
+from rlpipe.data.tasks import write_task_dataset
+from rlpipe.errors import CheckpointError
+from rlpipe.models.loading import load_tokenizer
+from rlpipe.rollout.batch import batch_to_items, build_rollout_batch, score_generations
+from rlpipe.rollout.engine import SamplingParams
+from rlpipe.rollout.judges import get_judge
+from rlpipe.train import checkpoint as ckpt
+from rlpipe.train.controller import TrainingController
+from rlpipe.train.lineage import BaseModelRef, DataRef, build_manifest, model_fingerprint
+
+
+@dataclass
+class LoopState:
+    """Counters that a resume must restore exactly (JSON in train_state.json)."""
+
+    iteration: int = 0  # RL iterations completed
+    optimizer_step: int = 0  # optimizer steps taken (RL + SFT)
+    consumed_prompts: int = 0
+    consumed_tokens: int = 0
+    sft_steps: int = 0
+    data: list[dict] = field(default_factory=list)  # data consumed since the last checkpoint (lineage)
+
+
+class RLSession:
+    """Everything a phase needs, opened from the base model or a checkpoint."""
+
+    def __init__(self, cfg: PipelineConfig, model_dir: str, checkpoint: str | None = None, log=print):
+        self.cfg, self.model_dir, self.log = cfg, model_dir, log
+        self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        self.prompts = self._load_prompts()
+        self.sampler = PromptSampler(len(self.prompts), cfg.rollout.prompts_per_step, seed=cfg.data.seed)
+        self.sft_data: SFTDataset | None = self._load_sft() if cfg.sft.enabled else None
+        self.sft_sampler = (
+            PromptSampler(len(self.sft_data), cfg.sft.global_batch_size, seed=cfg.train.seed + 1)
+            if self.sft_data is not None
+            else None
+        )
+        self.state = LoopState()
+        self.parent: str | None = None
+        self.controller = TrainingController(cfg, model_dir)
+        if checkpoint is not None:
+            self._resume(checkpoint)
+
+    # ------------------------------------------------------------------ data
+    def _data_file(self, name: str, kind: str, n: int, seed: int) -> Path:
+        """Built-in task rows are written to parquet once, then read back through the user-data path."""
+        path = Path(self.cfg.output_dir) / "data" / f"{name}-{kind}-n{n}-seed{seed}.parquet"
+        if not path.exists():
+            write_task_dataset(name, n, seed, path, kind=kind)
+        return path
+
+    def _load_prompts(self) -> PromptDataset:
+        d = self.cfg.data
+        path = Path(d.path) if d.path else self._data_file(d.task, "rl", d.num_prompts, d.seed)
+        return load_prompt_dataset(
+            path,
+            self.tokenizer,
+            d.max_prompt_length,
+            prompt_key=d.prompt_key,
+            apply_chat_template=d.apply_chat_template,
+        )
+
+    def _load_eval_prompts(self) -> PromptDataset:
+        d = self.cfg.data
+        path = Path(d.eval_path) if d.eval_path else self._data_file(d.task, "rl", d.num_eval_prompts, d.seed + 104729)
+        return load_prompt_dataset(path, self.tokenizer, d.max_prompt_length, prompt_key=d.prompt_key)
+
+    def _load_sft(self) -> SFTDataset:
+        s = self.cfg.sft
+        path = (
+            Path(s.path)
+            if s.path
+            else self._data_file(self.cfg.data.task, "sft", s.num_examples, self.cfg.data.seed + 7)
+        )
+        return load_sft_dataset(path, self.tokenizer, s.max_length)
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: sizes the LR schedule."""
+        sft = self.cfg.iterations // self.cfg.sft.rollout_steps_per_sft if self.cfg.sft.enabled else 0
+        return self.cfg.iterations * self.cfg.train.optimizer_steps + sft
+
+    def sft_due(self, iteration: int) -> bool:
+        """SFT after every `rollout_steps_per_sft`-th RL iteration (1-based), as the seed does."""
+        return self.cfg.sft.enabled and iteration % self.cfg.sft.rollout_steps_per_sft == 0
+
+    def _pack(self, items) -> list[Pack]:
+        return pack_sequences(
+            items,
+            self.cfg.train.pack_max_length,
+            self.tokenizer.pad_token_id,
+            self.cfg.dp_size,
+            pad_to_max_length=False,
+        )
+
+    # ------------------------------------------------------------------ phases
+    def sampling_params(self, iteration: int, eval_mode: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=1 if eval_mode else r.n,
+            temperature=r.eval_temperature if eval_mode else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=[self.tokenizer.eos_token_id],
+            seed=self.cfg.train.seed * 100_003 + iteration,
+        )
+
+    def rollout(self) -> tuple[pd.DataFrame, dict[str, float]]:
+        """Sample `n` responses for the next prompts, judge them, compute advantages."""
+        start = time.perf_counter()
+        iteration = self.state.iteration + 1
+        indices = self.sampler.next_batch()
+        examples = [self.prompts[i] for i in indices]
+        params = self.sampling_params(iteration)
+        gens = self._generate([ex.prompt_ids for ex in examples], params)
+        texts, rewards = score_generations(examples, gens, self._decode, get_judge(self.cfg.rollout.judge))
+        batch, stats = build_rollout_batch(
+            examples, gens, texts, rewards, params.n, self.cfg.algo.advantage,
+            _advantage_kwargs(self.cfg), self.cfg.rollout.filter_uniform_groups,
+        )  # fmt: skip
+        elapsed = time.perf_counter() - start
+        gen_tokens = sum(len(g.response_ids) for g in gens)
+        stats.update({"rollout_time_s": elapsed, "rollout_tokens_per_s": gen_tokens / elapsed if elapsed else 0.0})
+        self.state.consumed_prompts += len(indices)
+        self.state.data.append({"name": f"prompts@{iteration}", "path": str(self.prompts.path),
+                                "sha256": self.prompts.content_hash})  # fmt: skip
+        return batch, stats
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams):
+        if self.cfg.rollout.engine == "openai":
+            from rlpipe.rollout.openai_engine import OpenAIRolloutEngine
+
+            engine = OpenAIRolloutEngine(self.cfg.rollout.server_url, self.cfg.rollout.server_model or "default")
+            return engine.generate(prompts, params)
+        return self.controller.generate(prompts, params)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def compute_logprobs(self, batch: pd.DataFrame) -> pd.DataFrame:
+        """Add old-policy (and, with KL on, reference) logprobs, response-aligned, as columns."""
+        batch = batch.copy()
+        packs = self._pack(batch_to_items(batch))
+        old = self.controller.compute_logprobs(packs)
+        batch["old_logprobs"] = scatter_to_rows(packs, old, len(batch))
+        if self.cfg.algo.use_kl_loss:
+            ref = self.controller.compute_logprobs(packs, reference=True)
+            batch["ref_logprobs"] = scatter_to_rows(packs, ref, len(batch))
+        return batch
+
+    def train(self, batch: pd.DataFrame) -> dict[str, float]:
+        """One RL update on the batch (old/ref logprobs are recomputed unless the batch carries them)."""
+        iteration = self.state.iteration + 1
+        if len(batch) == 0:
+            self.log(f"iteration {iteration}: every group was filtered out; no update")
+            self.state.iteration = iteration
+            return {"skipped_iteration": 1.0}
+        items = batch_to_items(batch)
+        packs = self._pack(items)
+        old = _aligned(self, batch, "old_logprobs", items)
+        ref = _aligned(self, batch, "ref_logprobs", items) if self.cfg.algo.use_kl_loss else None
+        metrics = self.controller.fit(packs, iteration, self.total_steps, old, ref)
+        self.state.iteration = iteration
+        self.state.optimizer_step += len(metrics.steps)
+        self.state.consumed_tokens += metrics.total_tokens
+        return metrics.summary()
+
+    def sft(self) -> dict[str, float]:
+        """One SFT step on the next SFT batch (same optimizer)."""
+        items = sft_sequence_items([self.sft_data[i] for i in self.sft_sampler.next_batch()])
+        metrics = self.controller.fit_sft(self._pack(items), self.total_steps)
+        self.state.optimizer_step += 1
+        self.state.sft_steps += 1
+        self.state.data.append({"name": f"sft@{self.state.iteration}", "path": str(self.sft_data.path),
+                                "sha256": self.sft_data.content_hash})  # fmt: skip
+        return metrics.summary()
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on held-out prompts (the number a user watches besides training reward)."""
+        data = self._load_eval_prompts()
+        examples = [data[i] for i in range(len(data))]
+        gens = self._generate([ex.prompt_ids for ex in examples], self.sampling_params(0, eval_mode=True))
+        _, rewards = score_generations(examples, gens, self._decode, get_judge(self.cfg.rollout.judge))
+        return {"eval/reward_mean": float(np.mean(rewards)), "eval/num_prompts": float(len(examples))}
+
+    # ------------------------------------------------------------------ checkpoint
+    def save(self, phase: str, metrics: dict[str, float] | None = None) -> str:
+        """Write a complete checkpoint atomically and return its path; it becomes the parent of the next one."""
+        root = self.cfg.checkpoint.root
+        tmp = ckpt.begin_checkpoint(root, self.cfg.experiment, self.state.optimizer_step)
+        try:
+            worker_states = self.controller.save(str(tmp / "weights"))
+            ckpt.write_train_state(tmp, self._train_state(worker_states))
+            ckpt.write_config(tmp, self.cfg.model_dump(mode="json"))
+            if self.cfg.checkpoint.save_hf:
+                self.controller.save_hf(str(tmp / "hf"))
+            manifest = build_manifest(
+                experiment=self.cfg.experiment,
+                step=self.state.optimizer_step,
+                iteration=self.state.iteration,
+                base_model=BaseModelRef(path=self.model_dir, fingerprint=model_fingerprint(self.model_dir)),
+                parent=self.parent,
+                data=[DataRef(**d) for d in self.state.data],
+                config=self.cfg.model_dump(mode="json"),
+                metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
+                phase=phase,
+            )
+            final = ckpt.finalize_checkpoint(tmp, manifest)
+        except BaseException:
+            ckpt.abort_checkpoint(tmp)
+            raise
+        self.parent = str(final)
+        self.state.data = []
+        return str(final)
+
+    def _train_state(self, worker_states: list[dict]) -> ckpt.TrainState:
+        return ckpt.TrainState(
+            step=self.state.optimizer_step,
+            iteration=self.state.iteration,
+            epoch=self.sampler.state_dict()["epoch"],
+            consumed_samples=self.state.consumed_prompts,
+            consumed_tokens=self.state.consumed_tokens,
+            sampler_state=self.sampler.state_dict(),
+            sft_loader_state=self.sft_sampler.state_dict() if self.sft_sampler else None,
+            rng_states=[ckpt.capture_rng_state()],  # the driver's; each worker's own is in worker_states
+            worker_states=worker_states,
+            extra={"sft_steps": self.state.sft_steps},
+        )
+
+    def _resume(self, checkpoint: str) -> None:
+        path = Path(checkpoint)
+        ckpt.verify_checkpoint(path, expect_model_fingerprint=model_fingerprint(self.model_dir))
+        state = ckpt.load_train_state(path)
+        self.controller.load(str(path / ckpt.WEIGHTS_DIR), state.worker_states)
+        self.state = LoopState(
+            iteration=state.iteration,
+            optimizer_step=state.step,
+            consumed_prompts=state.consumed_samples,
+            consumed_tokens=state.consumed_tokens,
+            sft_steps=int(state.extra.get("sft_steps", 0)),
+        )
+        self.sampler.load_state_dict(state.sampler_state)
+        if self.sft_sampler is not None:
+            if state.sft_loader_state is None:
+                raise CheckpointError(f"{path}: sft is enabled but the checkpoint has no SFT sampler state")
+            self.sft_sampler.load_state_dict(state.sft_loader_state)
+        ckpt.restore_rng_state(state.rng_states[0])
+        self.parent = str(path)
+
+    def close(self) -> None:
+        self.controller.shutdown()
+
+
+def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> list[torch.Tensor] | None:
+    """Response-aligned per-row values (a batch column) as label-aligned per-pack tensors, same packing order."""
+    if column not in batch.columns:
+        return None
+    import dataclasses
+
+    shadow = [dataclasses.replace(it, rollout_logprobs=[float(x) for x in batch[column].iloc[it.row]]) for it in items]
+    return [p.rollout_logprobs for p in session._pack(shadow)]
+
+
+def _advantage_kwargs(cfg: PipelineConfig) -> dict:
+    if cfg.algo.advantage == "pass_at_k":
+        return {"k": cfg.algo.pass_at_k}
+    if cfg.algo.advantage == "dr_grpo":
+        return {"max_length": cfg.rollout.max_new_tokens}
+    return {}
+
+
+def seed_driver(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,194 @@
+"""TrainingController: starts one TrainingWorker Ray actor per rank in a placement group and fans calls out.
+
+Packs are sharded over data-parallel ranks round-robin (the packer already padded their number to a multiple of dp).
+A lost actor or node surfaces as `RecoverableError`, which the Flyte layer turns into a retry that resumes from
+the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from typing import Any
+
+from rlpipe.config import PipelineConfig
+from rlpipe.data.packing import Pack
+from rlpipe.errors import RecoverableError
+from rlpipe.rollout.engine import Generation, SamplingParams
+from rlpipe.train.metrics import FitMetrics, SFTMetrics, merge_worker_metrics
+
+
+def ensure_ray() -> None:
+    """Connect to the Ray cluster of this job (KubeRay sets RAY_ADDRESS) or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local Ray 2.60 otherwise asks for a token
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS"),
+        ignore_reinit_error=True,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={
+            "env_vars": {
+                "RAY_AUTH_MODE": "disabled",
+                "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                "TRANSFORMERS_VERBOSITY": "error",
+            }
+        },
+    )
+
+
+def _ray_failures() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rex
+
+    return tuple(
+        getattr(rex, name)
+        for name in ("RayActorError", "ActorDiedError", "NodeDiedError", "ActorUnavailableError", "WorkerCrashedError")
+        if hasattr(rex, name)
+    )
+
+
+class TrainingController:
+    """The driver-side handle of the training workers."""
+
+    def __init__(self, cfg: PipelineConfig, model_dir: str):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlpipe.train.worker import TrainingWorker
+
+        ensure_ray()
+        self.cfg = cfg
+        self.world_size = cfg.train.world_size
+        self.dp_size = cfg.dp_size
+        use_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cluster_has_gpus())
+        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        self._pg = placement_group([bundle] * self.world_size, strategy="PACK")
+        ray.get(self._pg.ready(), timeout=300)
+        actor_cls = ray.remote(TrainingWorker)
+        cfg_json = cfg.model_dump_json()
+        self.workers = [
+            actor_cls.options(
+                num_cpus=1,
+                num_gpus=1 if use_gpu else 0,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            ).remote(cfg_json, model_dir, rank, self.world_size)
+            for rank in range(self.world_size)
+        ]
+        addr, port = self._get(self.workers[0].rendezvous_address.remote())
+        self._all("setup", addr, port)
+
+    # ------------------------------------------------------------------ plumbing
+    def _get(self, refs: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(refs)
+        except _ray_failures() as exc:
+            raise RecoverableError(f"a training worker was lost: {exc}") from exc
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """Call `method(*args)` on every rank and wait for all."""
+        return self._get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def _per_rank(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
+        return self._get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args, strict=True)])
+
+    def shard(self, items: list) -> list[list]:
+        """Round-robin shard over dp ranks (sp ranks of one dp group get the same shard)."""
+        sp = self.cfg.train.sp_size
+        return [items[(rank // sp) :: self.dp_size] for rank in range(self.world_size)]
+
+    # ------------------------------------------------------------------ phases
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Colocated rollout: each rank samples a contiguous slice of the prompts with its own seed offset."""
+        bounds = [round(r * len(prompts) / self.world_size) for r in range(self.world_size + 1)]
+        calls = []
+        for rank in range(self.world_size):
+            p = asdict(params)
+            p["seed"] = params.seed * 1000 + rank
+            calls.append((prompts[bounds[rank] : bounds[rank + 1]], json.dumps(p)))
+        results = self._per_rank("generate", calls)
+        out: list[Generation] = []
+        for rank, gens in enumerate(results):
+            for gen in gens:
+                gen.prompt_index += bounds[rank]
+                out.append(gen)
+        return out
+
+    def compute_logprobs(self, packs: list[Pack], reference: bool = False) -> list:
+        """Old (or reference) logprobs per pack, in the original pack order."""
+        shards = self.shard(packs)
+        method = "compute_ref_logprobs" if reference else "compute_logprobs"
+        results = self._per_rank(method, [(s,) for s in shards])
+        return self._unshard(results, len(packs))
+
+    def fit(self, packs: list[Pack], iteration: int, total_steps: int, old=None, ref=None) -> FitMetrics:
+        shards = self.shard(packs)
+        old_s = self.shard(old) if old is not None else [None] * self.world_size
+        ref_s = self.shard(ref) if ref is not None else [None] * self.world_size
+        args = [(shards[r], iteration, total_steps, old_s[r], ref_s[r]) for r in range(self.world_size)]
+        return merge_worker_metrics(self._per_rank("fit", args))
+
+    def fit_sft(self, packs: list[Pack], total_steps: int) -> SFTMetrics:
+        shards = self.shard(packs)
+        results: list[SFTMetrics] = self._per_rank("fit_sft", [(s, total_steps) for s in shards])
+        merged = results[0]
+        merged.step_time_s = max(r.step_time_s for r in results)
+        return merged
+
+    def save(self, weights_dir: str) -> list[dict]:
+        return self._all("save", weights_dir)
+
+    def load(self, weights_dir: str, worker_states: list[dict]) -> None:
+        if len(worker_states) != self.world_size:
+            from rlpipe.errors import CheckpointError
+
+            raise CheckpointError(
+                f"checkpoint was written by {len(worker_states)} workers, this run has world_size={self.world_size}"
+            )
+        self._per_rank("load", [(weights_dir, s) for s in worker_states])
+
+    def save_hf(self, out_dir: str) -> None:
+        self._all("save_hf", out_dir)
+
+    def weights_digest(self) -> str:
+        return self._all("weights_digest")[0]
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
+    def _unshard(self, results: list[list], total: int) -> list:
+        out: list = [None] * total
+        for rank in range(0, self.world_size, self.cfg.train.sp_size):
+            dp_rank = rank // self.cfg.train.sp_size
+            for j, value in enumerate(results[rank]):
+                out[dp_rank + j * self.dp_size] = value
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already gone is fine
+                pass
+        remove_placement_group(self._pg)
+        self.workers = []
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0

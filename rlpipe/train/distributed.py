@@ -1,0 +1,63 @@
+"""Process-group plumbing for the training workers: device choice, rendezvous, reductions."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def pick_device(requested: str) -> torch.device:
+    """`auto` -> the local CUDA device when one is visible, else CPU."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from rlpipe.errors import ConfigError
+
+            raise ConfigError("train.device=cuda but no CUDA device is visible to this worker")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """nccl on GPU, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    """An ephemeral TCP port that is free right now on this host (rank 0 hosts the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
+    """Join the job's process group (idempotent per process)."""
+    if dist.is_initialized():
+        return
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
+    )
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place, returned for chaining)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def all_reduce_min_max(mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise min and max over ranks."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(mins, op=dist.ReduceOp.MIN)
+        dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
+    return mins, maxs

@@ -1,0 +1,69 @@
+"""The policy as one nn.Module whose forward returns per-token logprobs of a pack, and its FSDP2 sharding.
+
+Wrapping the HF model lets FSDP2 treat the whole logprob computation as the root forward: embeddings, final norm
+and LM head are unsharded for the duration of that forward, so the chunked logprob can read the LM head weight
+directly instead of materialising [tokens, vocab] logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlpipe.data.packing import Pack
+from rlpipe.models.packed import token_logprobs
+
+
+class PolicyModel(nn.Module):
+    """`forward(pack tensors) -> logprobs [L]` over a HF causal LM."""
+
+    def __init__(self, hf_model: nn.Module, chunk_size: int):
+        super().__init__()
+        self.hf = hf_model
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seq_lens: torch.Tensor,
+        shifted_labels: torch.Tensor,
+    ) -> torch.Tensor:
+        out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size)
+        return out.clone()  # FSDP2 warns about (and mishandles in-place ops on) a view returned from forward
+
+    def logprobs(self, pack: Pack) -> torch.Tensor:
+        return self(pack.input_ids, pack.position_ids, pack.cu_seq_lens, pack.shifted_labels)
+
+
+def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (each becomes its own FSDP2 unit)."""
+    layers = getattr(hf_model.get_decoder(), "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"{type(hf_model).__name__}: cannot find decoder layers to shard")
+    return list(layers)
+
+
+def shard_policy(policy: PolicyModel, mesh) -> PolicyModel:
+    """FSDP2: one unit per decoder layer plus the root (embeddings, norm, head) over the dp mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(policy.hf):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    return policy
+
+
+def full_hf_state_dict(policy: PolicyModel) -> dict[str, torch.Tensor]:
+    """Unsharded HF-named weights on every rank (a collective: all ranks must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    return {name.removeprefix("hf."): tensor for name, tensor in state.items()}
+
+
+def copy_weights_into(hf_model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into `hf_model` parameter by parameter (tied weights are visited once)."""
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.copy_(state[name].to(param.device, param.dtype))

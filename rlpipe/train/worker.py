@@ -1,0 +1,346 @@
+"""TrainingWorker: one rank of the trainer, run as a Ray actor (see `controller.py`).
+
+It mirrors the seed worker's `fit()` sequence, split into small steps: old logprobs recomputed by the actor,
+entropy, rollout importance sampling and mismatch metrics, reference logprobs and KL, then `optimizer_steps`
+mini-batches with a global token-mean loss. It also hosts an unsharded copy of the policy for HF `generate`
+(colocated rollout; refreshed from the sharded weights after every update) and a periodic SFT step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlpipe.config import PipelineConfig
+from rlpipe.data.packing import Pack
+from rlpipe.models.loading import load_model
+from rlpipe.rollout.engine import Generation, SamplingParams
+from rlpipe.rollout.hf_engine import HFRolloutEngine
+from rlpipe.train import checkpoint as ckpt
+from rlpipe.train.distributed import all_reduce_sum, backend_for, free_port, init_process_group, pick_device
+from rlpipe.train.metrics import FitMetrics, SFTMetrics, TrainStepMetrics
+from rlpipe.train.objective import BatchStats, StepSums, batch_statistics, rl_microbatch_loss, sft_microbatch_loss
+from rlpipe.train.optim import build_optimizer, set_lr
+from rlpipe.train.policy import PolicyModel, copy_weights_into, full_hf_state_dict, shard_policy
+
+
+class TrainingWorker:
+    """One training rank. Constructed by the controller with its rank and the rendezvous address."""
+
+    def __init__(self, cfg_json: str, model_dir: str, rank: int, world_size: int):
+        self.cfg = PipelineConfig.model_validate_json(cfg_json)
+        self.model_dir = model_dir
+        self.rank, self.world_size = rank, world_size
+        self.device = pick_device(self.cfg.train.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.cfg.train.threads_per_worker)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 hosts the process-group rendezvous: its node IP and a free port."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the process group, build the sharded policy, optimizer and (if KL is on) the reference model."""
+        _seed_everything(self.cfg.train.seed + self.rank, self.cfg.train.deterministic)
+        init_process_group(self.rank, self.world_size, master_addr, master_port, backend_for(self.device))
+        self.mesh = _data_mesh(self.device, self.world_size, self.cfg.train.sp_size)
+        self.policy = self._build_policy(self.model_dir)
+        self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.train)
+        self.ref = self._build_reference() if self.cfg.algo.use_kl_loss else None
+        self.rollout_model = None  # unsharded generate copy, built on first use
+        self._rollout_stale = True
+        self.optimizer_step = 0  # optimizer steps taken (drives the LR schedule)
+        self.skipped_steps = 0
+        return self.rank
+
+    # ----------------------------------------------------------------- setup
+    def _build_policy(self, model_dir: str) -> PolicyModel:
+        model_cfg = self.cfg.model
+        hf = load_model(model_dir, model_cfg.dtype, str(self.device), model_cfg.trust_remote_code,
+                        model_cfg.attn_implementation)  # fmt: skip
+        hf.config.use_cache = False
+        hf.train()
+        policy = PolicyModel(hf, self.cfg.algo.chunk_size)
+        if self.cfg.train.fsdp and dist.is_initialized():
+            shard_policy(policy, self.mesh["dp"])
+        return policy
+
+    def _build_reference(self) -> PolicyModel:
+        """Frozen reference for KL: `ref_load_from` or the base policy; parked on CPU between uses (as the seed)."""
+        path = self.cfg.train.ref_load_from or self.model_dir
+        hf = load_model(path, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code,
+                        self.cfg.model.attn_implementation)  # fmt: skip
+        hf.eval().requires_grad_(False)
+        return PolicyModel(hf, self.cfg.algo.chunk_size)
+
+    # ----------------------------------------------------------------- rollout (colocated)
+    def generate(self, prompts: list[list[int]], params_json: str) -> list[Generation]:
+        """Sample from the current policy. A collective when weights are stale: every rank must call it."""
+        params = SamplingParams(**json.loads(params_json))
+        if self._rollout_stale:
+            self._sync_rollout_weights()
+        if not prompts:
+            return []
+        engine = HFRolloutEngine(
+            self.rollout_model,
+            pad_token_id=self.rollout_model.config.pad_token_id,
+            eos_token_id=self.rollout_model.config.eos_token_id,
+            batch_size=self.cfg.rollout.batch_size,
+        )
+        return engine.generate(prompts, params)
+
+    def _sync_rollout_weights(self) -> None:
+        state = full_hf_state_dict(self.policy)
+        if self.rollout_model is None:
+            self.rollout_model = load_model(self.model_dir, self.cfg.model.dtype, str(self.device),
+                                            self.cfg.model.trust_remote_code, self.cfg.model.attn_implementation)  # fmt: skip
+            self.rollout_model.eval().requires_grad_(False)
+        copy_weights_into(self.rollout_model, state)
+        self._rollout_stale = False
+
+    # ----------------------------------------------------------------- logprobs
+    @torch.no_grad()
+    def compute_logprobs(self, packs: list[Pack]) -> list[torch.Tensor]:
+        """Old-policy logprobs, recomputed by the actor (never taken from the rollout engine)."""
+        self.policy.eval()
+        out = [self.policy.logprobs(p.to(self.device)).cpu() for p in packs]
+        self.policy.train()
+        return out
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, packs: list[Pack]) -> list[torch.Tensor]:
+        if self.ref is None:
+            raise RuntimeError("compute_ref_logprobs called but algo.use_kl_loss is off")
+        self.ref.to(self.device)
+        out = [self.ref.logprobs(p.to(self.device)).cpu() for p in packs]
+        self.ref.to("cpu")
+        return out
+
+    # ----------------------------------------------------------------- RL fit
+    def fit(
+        self,
+        packs: list[Pack],
+        iteration: int,
+        total_steps: int,
+        old_logprobs: list[torch.Tensor] | None = None,
+        ref_logprobs: list[torch.Tensor] | None = None,
+    ) -> FitMetrics:
+        """One RL iteration on this rank's packs (the seed's `fit`). `total_steps` sizes the LR schedule."""
+        fit_start = time.perf_counter()
+        packs = [p.to(self.device) for p in packs]
+        t0 = time.perf_counter()
+        if old_logprobs is None:
+            old_logprobs = self.compute_logprobs(packs)
+        if self.ref is not None and ref_logprobs is None:
+            ref_logprobs = self.compute_ref_logprobs(packs)
+        logprob_time = time.perf_counter() - t0
+        old_logprobs = [t.to(self.device) for t in old_logprobs]
+        ref_logprobs = [t.to(self.device) for t in ref_logprobs] if ref_logprobs is not None else None
+
+        stats: BatchStats = batch_statistics(packs, old_logprobs, ref_logprobs, self.cfg.algo)
+        metrics = FitMetrics(
+            iteration=iteration,
+            train_entropy=stats.train_entropy,
+            rollout_entropy=stats.rollout_entropy,
+            kl=stats.kl,
+            tokens=stats.label_tokens,
+            total_tokens=stats.real_tokens,
+            efficient_attn_ratio=stats.efficient_attn_ratio,
+            fit_time_s=0.0,
+            logprob_time_s=logprob_time,
+            mismatch=stats.mismatch,
+            rollout_is=stats.rollout_is,
+        )
+        per_step = max(1, math.ceil(len(packs) / self.cfg.train.optimizer_steps))
+        for start in range(0, len(packs), per_step):
+            idx = range(start, min(start + per_step, len(packs)))
+            step = self._rl_step(
+                [packs[i] for i in idx],
+                [old_logprobs[i] for i in idx],
+                [ref_logprobs[i] for i in idx] if ref_logprobs is not None else None,
+                [stats.is_weights[i] for i in idx] if stats.is_weights is not None else None,
+                total_steps,
+            )
+            metrics.steps.append(step)
+        metrics.skipped_steps = sum(s.skipped for s in metrics.steps)
+        metrics.fit_time_s = time.perf_counter() - fit_start
+        return metrics
+
+    def _rl_step(self, packs, old, ref, is_weights, total_steps: int) -> TrainStepMetrics:
+        """Forward/backward every micro-batch of this step, then one optimizer step."""
+        start = time.perf_counter()
+        _reset_peak_memory(self.device)
+        global_tokens, global_seqs = _global_counts(packs, self.device)
+        lr = set_lr(self.optimizer, self.cfg.train, self.optimizer_step, total_steps)
+        sums = StepSums(self.device)
+        for i, pack in enumerate(packs):
+            loss = rl_microbatch_loss(
+                self.policy.logprobs(pack), pack, old[i], ref[i] if ref is not None else None,
+                is_weights[i] if is_weights is not None else None, self.cfg.algo, global_tokens, global_seqs,
+                self.cfg.rollout.max_new_tokens, sums,
+            )  # fmt: skip
+            (loss * self._grad_scale()).backward()
+        grad_norm, skipped = self._clip_and_step()
+        reduced = sums.all_reduce_finalize()
+        return TrainStepMetrics(
+            step=self.optimizer_step,
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=skipped,
+            tokens=int(global_tokens.item()),
+            step_time_s=time.perf_counter() - start,
+            peak_memory_mb=_peak_memory_mb(self.device),
+            **reduced,
+        )
+
+    def _grad_scale(self) -> float:
+        """FSDP2 averages gradients over dp ranks; the loss is already a global mean, so undo the average."""
+        return float(self.mesh["dp"].size()) if self._is_sharded() else 1.0
+
+    def _is_sharded(self) -> bool:
+        return self.cfg.train.fsdp and dist.is_initialized()
+
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """Clip to `grad_clip`; skip (and count) the update when the norm is not finite."""
+        if not self._is_sharded() and dist.is_initialized() and dist.get_world_size() > 1:
+            for p in self.policy.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.train.grad_clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm_value = float(norm.item())
+        skipped = not math.isfinite(norm_value)
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_step += 1
+        self._rollout_stale = True
+        return norm_value, skipped
+
+    # ----------------------------------------------------------------- SFT
+    def fit_sft(self, packs: list[Pack], total_steps: int) -> SFTMetrics:
+        """One cross-entropy step on SFT packs with the same optimizer (the seed's `_fit_sft`)."""
+        start = time.perf_counter()
+        packs = [p.to(self.device) for p in packs]
+        global_tokens, _ = _global_counts(packs, self.device)
+        lr = set_lr(self.optimizer, self.cfg.train, self.optimizer_step, total_steps)
+        loss_sum = torch.zeros((), device=self.device)
+        for pack in packs:
+            loss = sft_microbatch_loss(self.policy.logprobs(pack), pack, global_tokens) * self.cfg.sft.loss_weight
+            (loss * self._grad_scale()).backward()
+            loss_sum += loss.detach()
+        grad_norm, skipped = self._clip_and_step()
+        real = torch.tensor([sum(p.num_tokens for p in packs)], dtype=torch.float64, device=self.device)
+        attn = torch.tensor([sum(p.efficient_attn_ratio * p.length**2 for p in packs),
+                             sum(p.length**2 for p in packs)], dtype=torch.float64, device=self.device)  # fmt: skip
+        all_reduce_sum(loss_sum)
+        all_reduce_sum(real)
+        all_reduce_sum(attn)
+        return SFTMetrics(
+            loss=float(loss_sum.item()),
+            grad_norm=grad_norm,
+            skipped=skipped,
+            tokens=int(global_tokens.item()),
+            efficient_attn_ratio=float(attn[0] / attn[1]) if attn[1] > 0 else 0.0,
+            step_time_s=time.perf_counter() - start,
+            lr=lr,
+        )
+
+    # ----------------------------------------------------------------- state
+    def save(self, weights_dir: str) -> dict:
+        """Collective DCP save of model + optimizer into `weights_dir`; returns this rank's train-loop state."""
+        ckpt.save_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir))
+        return {"optimizer_step": self.optimizer_step, "skipped_steps": self.skipped_steps,
+                "rng": ckpt.capture_rng_state()}  # fmt: skip
+
+    def load(self, weights_dir: str, state: dict) -> None:
+        """Collective DCP load; restores the step counters and this rank's RNG state."""
+        ckpt.load_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir))
+        self.optimizer_step = int(state["optimizer_step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        ckpt.restore_rng_state(state["rng"])
+        self._rollout_stale = True
+
+    def save_hf(self, out_dir: str) -> None:
+        """Safetensors export loadable by AutoModelForCausalLM (rank 0 writes; all ranks gather)."""
+        state = full_hf_state_dict(self.policy)
+        if self.rank == 0:
+            export = load_model(self.model_dir, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code)
+            copy_weights_into(export, state)
+            export.save_pretrained(out_dir, safe_serialization=True)
+
+    def weights_digest(self) -> str:
+        """sha256 of the full weights (a collective): resume/determinism tests compare runs with it."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, tensor in sorted(full_hf_state_dict(self.policy).items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+    def offload(self) -> None:
+        """Move model and optimizer state to CPU (frees accelerator memory for a colocated rollout engine)."""
+        _move_optimizer_state(self.optimizer, "cpu")
+        self.policy.to("cpu")
+
+    def onload(self) -> None:
+        self.policy.to(self.device)
+        _move_optimizer_state(self.optimizer, self.device)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _data_mesh(device: torch.device, world_size: int, sp_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+
+
+def _global_counts(packs: list[Pack], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Label tokens and sequences over this step's micro-batches on all ranks: the loss denominators."""
+    local = [sum(p.num_label_tokens for p in packs), sum(p.num_sequences for p in packs)]
+    counts = all_reduce_sum(torch.tensor(local, dtype=torch.float32, device=device))
+    return counts[0], counts[1]
+
+
+def _seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device)

@@ -1,0 +1,40 @@
+"""Shared fixtures: an isolated HOME (Flyte's local cache), one local Ray for the session, tiny configs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for every test that needs workers (starting Ray costs ~7 s)."""
+    import ray
+
+    from rlpipe.train.controller import ensure_ray
+
+    ensure_ray()
+    yield ray
+    ray.shutdown()
+
+
+def tiny_overrides(tmp_path, **extra) -> dict:
+    """A config small enough for a test: 4 prompts x 4 samples, tiny model, short warm-up."""
+    base = {
+        "output_dir": str(tmp_path / "out"),
+        "checkpoint.root": str(tmp_path / "ckpt"),
+        "iterations": 4,
+        "segment_size": 4,
+        "rollout.prompts_per_step": 4,
+        "rollout.n": 4,
+        "rollout.max_new_tokens": 6,
+        "model.warmup_sft_steps": 20,
+        "train.pack_max_length": 128,
+        "train.world_size": 1,
+    }
+    base.update(extra)
+    return base

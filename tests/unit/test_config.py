@@ -1,0 +1,61 @@
+"""Config validation: unknown fields, inconsistent parallelism, SFT without data, YAML errors name the source."""
+
+import pytest
+
+from rlpipe.config import PipelineConfig, load_config, parse_override
+from rlpipe.errors import ConfigError
+
+
+def test_defaults_validate_and_round_trip_json():
+    cfg = PipelineConfig()
+    assert PipelineConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_unknown_field_is_rejected_with_its_path(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 0.1\n  learning_rat: 3\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml.*train\.learning_rat"):
+        load_config(path)
+
+
+def test_world_size_not_divisible_by_sp():
+    with pytest.raises(ConfigError, match="not divisible"):
+        load_config(overrides={"train.world_size": 3, "train.sp_size": 2})
+
+
+def test_sft_enabled_without_any_data():
+    with pytest.raises(ConfigError, match="sft.enabled needs"):
+        load_config(overrides={"sft.enabled": True, "data.task": None, "data.path": "x.parquet"})
+
+
+def test_grpo_with_group_of_one():
+    with pytest.raises(ConfigError, match="rollout.n >= 2"):
+        load_config(overrides={"rollout.n": 1})
+
+
+def test_negative_learning_rate():
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(overrides={"train.lr": -1e-3})
+
+
+def test_bad_yaml_names_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml is not valid YAML"):
+        load_config(path)
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_overrides_parse_yaml_values():
+    assert parse_override("train.lr=1e-4") == ("train.lr", 1e-4)
+    assert parse_override("sft.enabled=true") == ("sft.enabled", True)
+    cfg = load_config(overrides=dict([parse_override("rollout.n=4"), parse_override("experiment=x")]))
+    assert cfg.rollout.n == 4 and cfg.experiment == "x"
+    with pytest.raises(ConfigError):
+        parse_override("no-equals-sign")
