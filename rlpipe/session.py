@@ -106,6 +106,13 @@ class RLSession:
         """SFT after every `rollout_steps_per_sft`-th RL iteration (1-based), as the seed does."""
         return self.cfg.sft.enabled and iteration % self.cfg.sft.rollout_steps_per_sft == 0
 
+    def _minibatches(self, items) -> list[list[Pack]]:
+        """Split the batch into `optimizer_steps` contiguous mini-batches, each packed and padded to a multiple of
+        dp: the split is a property of the data, so world size 1 and N take the same optimizer steps."""
+        k = min(self.cfg.train.optimizer_steps, len(items))
+        bounds = [round(i * len(items) / k) for i in range(k + 1)]
+        return [self._pack(items[bounds[i] : bounds[i + 1]]) for i in range(k)]
+
     def _pack(self, items) -> list[Pack]:
         return pack_sequences(
             items,
@@ -179,10 +186,10 @@ class RLSession:
             self.state.iteration = iteration
             return {"skipped_iteration": 1.0}
         items = batch_to_items(batch)
-        packs = self._pack(items)
+        minibatches = self._minibatches(items)
         old = _aligned(self, batch, "old_logprobs", items)
         ref = _aligned(self, batch, "ref_logprobs", items) if self.cfg.algo.use_kl_loss else None
-        metrics = self.controller.fit(packs, iteration, self.total_steps, old, ref)
+        metrics = self.controller.fit(minibatches, iteration, self.total_steps, old, ref)
         self.state.iteration = iteration
         self.state.optimizer_step += len(metrics.steps)
         self.state.consumed_tokens += metrics.total_tokens
@@ -274,14 +281,15 @@ class RLSession:
         self.controller.shutdown()
 
 
-def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> list[torch.Tensor] | None:
-    """Response-aligned per-row values (a batch column) as label-aligned per-pack tensors, same packing order."""
+def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> list[list[torch.Tensor]] | None:
+    """Response-aligned per-row values (a batch column) as label-aligned tensors per mini-batch and pack, in the
+    same packing order as `_minibatches` (packing depends only on lengths, so the layouts coincide)."""
     if column not in batch.columns:
         return None
     import dataclasses
 
     shadow = [dataclasses.replace(it, rollout_logprobs=[float(x) for x in batch[column].iloc[it.row]]) for it in items]
-    return [p.rollout_logprobs for p in session._pack(shadow)]
+    return [[p.rollout_logprobs for p in mb] for mb in session._minibatches(shadow)]
 
 
 def _advantage_kwargs(cfg: PipelineConfig) -> dict:

@@ -129,11 +129,25 @@ class TrainingController:
         results = self._per_rank(method, [(s,) for s in shards])
         return self._unshard(results, len(packs))
 
-    def fit(self, packs: list[Pack], iteration: int, total_steps: int, old=None, ref=None) -> FitMetrics:
-        shards = self.shard(packs)
-        old_s = self.shard(old) if old is not None else [None] * self.world_size
-        ref_s = self.shard(ref) if ref is not None else [None] * self.world_size
-        args = [(shards[r], iteration, total_steps, old_s[r], ref_s[r]) for r in range(self.world_size)]
+    def fit(self, minibatches: list[list[Pack]], iteration: int, total_steps: int, old=None, ref=None) -> FitMetrics:
+        """One RL iteration: one optimizer step per mini-batch; each mini-batch is sharded over the dp ranks."""
+        packs, steps = [[] for _ in self.workers], [[] for _ in self.workers]
+        olds, refs = [[] for _ in self.workers], [[] for _ in self.workers]
+        for j, mb in enumerate(minibatches):
+            for rank, shard in enumerate(self.shard(mb)):
+                packs[rank] += shard
+                steps[rank].append(len(shard))
+            if old is not None:
+                for rank, shard in enumerate(self.shard(old[j])):
+                    olds[rank] += shard
+            if ref is not None:
+                for rank, shard in enumerate(self.shard(ref[j])):
+                    refs[rank] += shard
+        args = [
+            (packs[r], steps[r], iteration, total_steps, olds[r] if old is not None else None,
+             refs[r] if ref is not None else None)
+            for r in range(self.world_size)
+        ]  # fmt: skip
         return merge_worker_metrics(self._per_rank("fit", args))
 
     def fit_sft(self, packs: list[Pack], total_steps: int) -> SFTMetrics:

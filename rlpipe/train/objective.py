@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rlpipe.algos.entropy import sampled_token_entropy_sum
 from rlpipe.algos.kl import kl_penalty
+from rlpipe.algos.metrics import MetricSums
 from rlpipe.algos.policy_loss import POLICY_LOSSES, aggregate
 from rlpipe.algos.rollout_is import mismatch_metrics, rollout_is_weights
 from rlpipe.config import AlgoConfig
@@ -60,14 +62,14 @@ def batch_statistics(
     if has_rollout and packs:
         old_cat, roll_cat = torch.cat(old), torch.cat([p.rollout_logprobs for p in packs])
         mask_cat, seq_cat = torch.cat(masks), torch.cat([p.seq_index for p in packs])
-        mismatch = _merge_over_ranks(mismatch_metrics(old_cat, roll_cat, mask_cat, seq_cat), float(sums[0]), device)
+        mismatch = _reduce_over_ranks(mismatch_metrics(old_cat, roll_cat, mask_cat, seq_cat))
         if algo.rollout_is.enabled:
             c = algo.rollout_is
             weights, raw = rollout_is_weights(
                 old_cat, roll_cat, mask_cat, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
                 veto_threshold=c.veto_threshold, seq_ids=seq_cat,
             )  # fmt: skip
-            is_metrics = _merge_over_ranks(raw, float(sums[0]), device)
+            is_metrics = _reduce_over_ranks(raw)
             is_weights = list(torch.split(weights.detach(), [p.length for p in packs]))
     return BatchStats(
         train_entropy=float(sums[2]) / tokens,
@@ -82,22 +84,15 @@ def batch_statistics(
     )
 
 
-def _merge_over_ranks(metrics: dict[str, float], weight: float, device) -> dict[str, float]:
-    """Merge per-rank metric dicts as the seed does: min of *_min, max of *_max, token-weighted mean otherwise."""
-    names = sorted(metrics)
-    values = torch.tensor([float(metrics[n]) for n in names], dtype=torch.float64, device=device)
-    weighted = all_reduce_sum(torch.cat([values * weight, torch.tensor([weight], dtype=torch.float64, device=device)]))
-    mins, maxs = all_reduce_min_max(values.clone(), values.clone())
-    total = float(weighted[-1]) or 1.0
-    out = {}
-    for i, name in enumerate(names):
-        if name.endswith("_min"):
-            out[name] = float(mins[i])
-        elif name.endswith("_max"):
-            out[name] = float(maxs[i])
-        else:
-            out[name] = float(weighted[i]) / total
-    return out
+def _reduce_over_ranks(metrics: MetricSums) -> dict[str, float]:
+    """Exact cross-rank merge: sums and counts are summed, mins/maxs reduced, then means/std/ESS derived."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return metrics.finalize()
+    return metrics.reduce(
+        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM),
+        lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN),
+        lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),
+    ).finalize()
 
 
 class StepSums:

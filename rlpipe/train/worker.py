@@ -129,12 +129,18 @@ class TrainingWorker:
     def fit(
         self,
         packs: list[Pack],
+        steps: list[int],
         iteration: int,
         total_steps: int,
         old_logprobs: list[torch.Tensor] | None = None,
         ref_logprobs: list[torch.Tensor] | None = None,
     ) -> FitMetrics:
-        """One RL iteration on this rank's packs (the seed's `fit`). `total_steps` sizes the LR schedule."""
+        """One RL iteration on this rank's packs (the seed's `fit`).
+
+        `steps[i]` is how many of the packs (in order) belong to optimizer step i: the controller splits the batch
+        into mini-batches before sharding, so the split does not depend on the world size. `total_steps` sizes the
+        LR schedule.
+        """
         fit_start = time.perf_counter()
         packs = [p.to(self.device) for p in packs]
         t0 = time.perf_counter()
@@ -160,9 +166,10 @@ class TrainingWorker:
             mismatch=stats.mismatch,
             rollout_is=stats.rollout_is,
         )
-        per_step = max(1, math.ceil(len(packs) / self.cfg.train.optimizer_steps))
-        for start in range(0, len(packs), per_step):
-            idx = range(start, min(start + per_step, len(packs)))
+        start = 0
+        for count in steps:
+            idx = range(start, start + count)
+            start += count
             step = self._rl_step(
                 [packs[i] for i in idx],
                 [old_logprobs[i] for i in idx],
