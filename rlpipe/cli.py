@@ -17,7 +17,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from rlpipe.config import load_config, parse_override
     from rlpipe.pipeline import run_segment
-    from rlpipe.train.checkpoint import latest_checkpoint
+    from rlpipe.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 
     cfg = load_config(args.config, dict(parse_override(o) for o in args.set))
     checkpoint = latest_checkpoint(cfg.checkpoint.root, cfg.experiment)
@@ -27,6 +27,7 @@ def _run(args: argparse.Namespace) -> int:
             "pass --resume to continue it, or set experiment=<new name>"
         )
     checkpoint = str(checkpoint) if checkpoint is not None else None
+    remove_stale_temp_dirs(cfg.checkpoint.root, cfg.experiment)  # leftovers of killed runs (never read as latest)
     metrics_path = Path(args.metrics or Path(cfg.output_dir) / cfg.experiment / "metrics.jsonl")
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     done = _iteration_of(checkpoint)
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except RlpipeError as exc:
+    except (RlpipeError, OSError) as exc:  # OSError: unwritable/missing paths; its message names the path
         print(f"rlpipe: error: {exc}", file=sys.stderr)
         return 2
 

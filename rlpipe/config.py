@@ -177,6 +177,12 @@ class PipelineConfig(_Strict):
             raise ValueError("data: set either `path` (a prompt file) or `task` (a built-in task)")
         if self.sft.enabled and self.sft.path is None and self.data.task is None:
             raise ValueError("sft.enabled needs sft.path (an SFT file) or a built-in data.task to generate demos")
+        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        if self.train.pack_max_length < longest:
+            raise ValueError(
+                f"train.pack_max_length={self.train.pack_max_length} cannot hold the longest sequence "
+                f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
+            )
         if self.rollout.engine == "openai" and not self.rollout.server_url:
             raise ValueError("rollout.engine=openai needs rollout.server_url")
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:

@@ -6,6 +6,7 @@ keeps one session for k iterations. Both paths call the same methods, so they pr
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from rlpipe.data.packing import Pack, pack_sequences, scatter_to_rows
 from rlpipe.data.sampler import PromptSampler
 from rlpipe.data.sft import SFTDataset, load_sft_dataset, sft_sequence_items
 from rlpipe.data.tasks import write_task_dataset
-from rlpipe.errors import CheckpointError
+from rlpipe.errors import CheckpointError, ConfigError
 from rlpipe.models.loading import load_tokenizer
 from rlpipe.rollout.batch import batch_to_items, build_rollout_batch, score_generations
 from rlpipe.rollout.engine import SamplingParams
@@ -47,6 +48,7 @@ class RLSession:
     """Everything a phase needs, opened from the base model or a checkpoint."""
 
     def __init__(self, cfg: PipelineConfig, model_dir: str, checkpoint: str | None = None, log=print):
+        get_judge(cfg.rollout.judge)  # an unknown judge fails here, not after Ray and a rollout
         self.cfg, self.model_dir, self.log = cfg, model_dir, log
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         self.prompts = self._load_prompts()
@@ -59,9 +61,16 @@ class RLSession:
         )
         self.state = LoopState()
         self.parent: str | None = None
+        _check_vocab(self.tokenizer, model_dir)
+        if checkpoint is not None:  # fail before any worker starts
+            ckpt.verify_checkpoint(checkpoint, expect_model_fingerprint=model_fingerprint(model_dir))
         self.controller = TrainingController(cfg, model_dir)
         if checkpoint is not None:
-            self._resume(checkpoint)
+            try:
+                self._resume(checkpoint)
+            except BaseException:
+                self.controller.shutdown()  # a failed resume must not hold the workers' CPUs
+                raise
 
     # ------------------------------------------------------------------ data
     def _data_file(self, name: str, kind: str, n: int, seed: int) -> Path:
@@ -290,6 +299,16 @@ def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> lis
 
     shadow = [dataclasses.replace(it, rollout_logprobs=[float(x) for x in batch[column].iloc[it.row]]) for it in items]
     return [[p.rollout_logprobs for p in mb] for mb in session._minibatches(shadow)]
+
+
+def _check_vocab(tokenizer, model_dir: str) -> None:
+    """A tokenizer with ids beyond the model's embedding would index out of range deep inside a worker."""
+    vocab = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ConfigError(
+            f"tokenizer in {model_dir} has {len(tokenizer)} tokens but the model embeds only {vocab}: "
+            "mismatched tokenizer and model"
+        )
 
 
 def _advantage_kwargs(cfg: PipelineConfig) -> dict:

@@ -63,6 +63,11 @@ def _add(rng: random.Random) -> tuple[str, str]:
     return f"add {a}+{b}", str(a + b)
 
 
+def _sum(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return f"sum {a}+{b}", str(a + b)
+
+
 def _count(rng: random.Random) -> tuple[str, str]:
     letter = rng.choice(COUNT_ALPHABET)
     word = "".join(rng.choice(COUNT_ALPHABET) for _ in range(rng.randint(4, 8)))
@@ -74,6 +79,7 @@ BUILTIN_TASKS: dict[str, SyntheticTask] = {
     for t in (
         SyntheticTask("reverse", "reverse a string of 3-5 digits", _reverse),
         SyntheticTask("add", "sum of two integers in 0..49", _add),
+        SyntheticTask("sum", "sum of two digits (100 facts: a tiny model can learn them all)", _sum),
         SyntheticTask("count", "occurrences of a letter in a 4-8 letter word over 'abcde'", _count),
     )
 }
