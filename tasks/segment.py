@@ -1,0 +1,85 @@
+"""`rl_segment`: k RL iterations in one Ray job with the weights resident (the fast path of the `grpo` workflow).
+
+A retry (a Ray actor or node was lost: FlyteRecoverableException) resumes from the newest complete checkpoint this
+chain left under the checkpoint root (set `checkpoint.every` to checkpoint inside a segment), and runs only the
+iterations still missing, so a retried segment ends where an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, NamedTuple
+
+from flytekit.types.directory import FlyteDirectory
+
+from rlpipe import pipeline
+from rlpipe.train.lineage import read_manifest
+from tasks import storage
+from tasks.artifacts import CheckpointArtifact, tag
+from tasks.common import checkpoint_metrics_history, engine_config, env_defaults, ray_task, resumable
+from tasks.decks import TrainingDecks
+from tasks.errors import retry_on_lost_workers
+from tasks.types import Checkpoint
+
+env_defaults()
+
+SEGMENT_RETRIES = 3
+DECK_PUBLISH_EVERY_S = 60.0
+
+
+class SegmentOut(NamedTuple):
+    checkpoint: Annotated[Checkpoint, CheckpointArtifact()]
+    metrics: list[dict[str, float]]
+
+
+@ray_task(retries=SEGMENT_RETRIES, timeout=timedelta(hours=6), enable_deck=True)
+def rl_segment(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint | None, k: int) -> SegmentOut:
+    """Run up to `k` iterations from `checkpoint` (None = base model), capped at `iterations` of the config."""
+    user, cfg, remote = engine_config(config, base_model)
+    start_iteration = checkpoint.iteration if checkpoint else 0
+    target = min(start_iteration + k, user.iterations)
+    resumed = resumable(user, checkpoint, target)
+    if resumed is not None:
+        origin = storage.describe(resumed)
+        print(f"rl_segment: resuming from {resumed} (iteration {origin.iteration}) left by an earlier attempt")
+    else:
+        origin = checkpoint
+    local = storage.materialize(origin)
+    aliases = {local: origin.uri} if local and origin else {}
+    title = f"{user.experiment}: segment, iterations {start_iteration + 1}..{target}"
+    decks = TrainingDecks(title, publish_every_s=DECK_PUBLISH_EVERY_S, rows=_history(origin))
+    published: list[str] = []
+
+    def on_iteration(row: dict[str, float]) -> None:
+        decks.add(row)
+
+    remaining = target - (origin.iteration if origin else 0)
+    with retry_on_lost_workers("rl_segment"):
+        result = pipeline.run_segment(cfg, local, remaining, on_iteration)
+    if remote is not None:  # mirror every checkpoint this segment wrote, oldest first (parents before children)
+        for path in _chain_until(result.checkpoint, local):
+            published.append(storage.publish(path, cfg, remote, aliases).uri)
+        final = storage.describe(published[-1]) if published else origin
+    else:
+        final = storage.describe(result.checkpoint)
+    decks.publish()
+    rows = [r for r in decks.rows if r.get("iteration", 0) > start_iteration]
+    return SegmentOut(checkpoint=tag(CheckpointArtifact, final, user.experiment, final.step), metrics=rows)
+
+
+def _history(origin: Checkpoint | None) -> list[dict[str, float]]:
+    return checkpoint_metrics_history(origin.uri) if origin is not None else []
+
+
+def _chain_until(newest: str, stop: str | None) -> list[str]:
+    """Local checkpoint dirs from just after `stop` up to `newest`, oldest first (follows manifest parents)."""
+    import os
+
+    out, loc = [], newest
+    while loc and (stop is None or os.path.realpath(loc) != os.path.realpath(stop)):
+        out.append(loc)
+        parent = read_manifest(loc).parent
+        if parent is None or storage.is_uri(parent):
+            break
+        loc = parent if os.path.isabs(parent) else os.path.normpath(os.path.join(loc, parent))
+    return out[::-1]

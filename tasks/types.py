@@ -1,0 +1,162 @@
+"""Typed inputs/outputs of the Flyte tasks: the rollout batch table, checkpoints, sampler/loader state, metrics.
+
+Each is a real Flyte type (not a pickle) so the UI shows it, caching can key on it and other tools can read it:
+- `RolloutBatch`: a parquet StructuredDataset with the documented columns (docs/ARCHITECTURE.md "RolloutBatch");
+- `Checkpoint`: a dataclass around the checkpoint directory (FlyteDirectory) plus the fields a reader needs without
+  downloading it (step, iteration, experiment, the lineage manifest as JSON, sampler / SFT loader state);
+- metrics: a parquet StructuredDataset, one row per iteration (the same rows `rlpipe run` writes to metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import pandas as pd
+import pyarrow as pa
+from flytekit import kwtypes
+from flytekit.types.directory import FlyteDirectory
+from flytekit.types.structured import StructuredDataset
+
+from rlpipe.rollout.batch import LOGPROB_COLUMNS, ROLLOUT_SCHEMA
+from rlpipe.train.checkpoint import load_train_state
+from rlpipe.train.lineage import read_manifest
+
+PARQUET = "parquet"
+
+ROLLOUT_BATCH_COLUMNS = kwtypes(
+    group_id=int,
+    sample_index=int,
+    prompt_index=int,
+    data_source=str,
+    ground_truth=str,
+    prompt_ids=list[int],
+    response_ids=list[int],
+    rollout_logprobs=list[float],
+    finish_reason=str,
+    response_text=str,
+    reward=float,
+    advantage=float,
+)
+"""Declared columns of a RolloutBatch (Flyte types; the parquet types are `ROLLOUT_ARROW_SCHEMA`). After the
+logprob phase the table also holds `old_logprobs` and, with KL on, `ref_logprobs` (list<float32>, response-aligned);
+they are extra columns, not declared, so one type serves both phases."""
+
+RolloutBatch = Annotated[StructuredDataset, ROLLOUT_BATCH_COLUMNS, PARQUET]
+"""The rollout batch as a Flyte StructuredDataset (parquet): the output type of `rollout`."""
+
+SCORED_ROLLOUT_BATCH_COLUMNS = kwtypes(**ROLLOUT_BATCH_COLUMNS, old_logprobs=list[float])
+ScoredRolloutBatch = Annotated[StructuredDataset, SCORED_ROLLOUT_BATCH_COLUMNS, PARQUET]
+"""Output of `compute_logprobs`: the batch plus `old_logprobs` (and `ref_logprobs` when KL is on, undeclared)."""
+
+AnyRolloutBatch = Annotated[StructuredDataset, PARQUET]
+"""Input type of the phases that read a batch. Flyte reads only the declared columns of a typed StructuredDataset,
+so inputs declare none: every column arrives (a batch with columns is assignable to it)."""
+
+MetricsTable = Annotated[StructuredDataset, PARQUET]
+"""One row per RL iteration: flat float metrics with an `iteration` column."""
+
+ROLLOUT_ARROW_SCHEMA: pa.Schema = ROLLOUT_SCHEMA
+"""Exact parquet schema of the declared columns (owned by rlpipe.rollout.batch)."""
+
+
+def batch_to_arrow(batch: pd.DataFrame) -> pa.Table:
+    """The batch as an arrow table cast to the documented schema (list<float32>, int64, ...), logprob columns kept."""
+    schema = ROLLOUT_ARROW_SCHEMA
+    for col in LOGPROB_COLUMNS:
+        if col in batch.columns:
+            schema = schema.append(pa.field(col, pa.list_(pa.float32())))
+    return pa.Table.from_pandas(batch[schema.names], schema=schema, preserve_index=False)
+
+
+def rollout_dataset(batch: pd.DataFrame) -> StructuredDataset:
+    """Wrap a rollout batch for a task output."""
+    return StructuredDataset(dataframe=batch_to_arrow(batch))
+
+
+def open_rollout_batch(sd: StructuredDataset) -> pd.DataFrame:
+    """Read a RolloutBatch input back into the DataFrame the pipeline phases take (list cells as Python lists)."""
+    table = sd.open(pa.Table).all()
+    frame = table.to_pandas()
+    for name in table.column_names:
+        if pa.types.is_list(table.schema.field(name).type):
+            frame[name] = table.column(name).to_pylist()
+    return frame
+
+
+def metrics_dataset(rows: list[dict[str, float]]) -> StructuredDataset:
+    """Metrics rows as a table; columns are the union of keys (missing values NaN), sorted, `iteration` first."""
+    frame = pd.DataFrame(rows, dtype="float64")
+    cols = sorted(frame.columns, key=lambda c: (c != "iteration", c))
+    return StructuredDataset(dataframe=frame[cols] if cols else frame)
+
+
+@dataclass
+class SamplerState:
+    """Position of the prompt sampler inside a checkpoint (rlpipe.data.sampler.PromptSampler.state_dict)."""
+
+    epoch: int = 0
+    consumed_in_epoch: int = 0
+    total_consumed: int = 0
+    seed: int = 0
+    num_examples: int = 0
+
+    @classmethod
+    def from_dict(cls, state: dict | None) -> SamplerState | None:
+        if state is None:
+            return None
+        return cls(**{k: int(state.get(k, 0)) for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class SFTLoaderState(SamplerState):
+    """Position of the SFT dataloader inside a checkpoint (same sampler, over SFT examples)."""
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint directory (rlpipe.train.checkpoint layout) and what a reader needs without opening it.
+
+    `uri` is the canonical location under the checkpoint root (a path on a shared volume, or an object-store URI);
+    `path` is the same files as Flyte moves them between tasks. `manifest` is the checkpoint's manifest.json (lineage: parent, data hashes, config hash, code version), so the
+    lineage is browsable in any Flyte UI, open-source included, not only through Artifact lineage.
+    """
+
+    path: FlyteDirectory
+    uri: str
+    experiment: str
+    step: int
+    iteration: int
+    manifest: str = "{}"
+    sampler: SamplerState = field(default_factory=SamplerState)
+    sft_loader: SFTLoaderState | None = None
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, uri: str, check_complete: bool = True) -> Checkpoint:
+        """Describe the checkpoint whose manifest and train state are in `directory`; `uri` is its canonical home."""
+        directory = Path(directory)
+        manifest = read_manifest(directory)
+        if check_complete and not manifest.complete:
+            from rlpipe.errors import CheckpointError
+
+            raise CheckpointError(f"{directory} is not a complete checkpoint (manifest says complete=false)")
+        state = load_train_state(directory)
+        return cls(
+            path=FlyteDirectory(str(directory)),
+            uri=str(uri),
+            experiment=manifest.experiment,
+            step=manifest.step,
+            iteration=manifest.iteration,
+            manifest=manifest.model_dump_json(),
+            sampler=SamplerState.from_dict(state.sampler_state) or SamplerState(),
+            sft_loader=SFTLoaderState.from_dict(state.sft_loader_state),
+        )
+
+    def local(self) -> str:
+        """Download (if remote) and return the local directory."""
+        return str(self.path.download())
+
+    def manifest_dict(self) -> dict:
+        return json.loads(self.manifest)

@@ -1,0 +1,281 @@
+"""Unit tests of the Flyte layer pieces that need no Ray: RayJobConfig, images, types, decks, errors, artifacts."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import pandas as pd
+import pytest
+
+from tasks.artifacts import CheckpointArtifact
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    from flytekit.core.local_cache import LocalTaskCache
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    LocalTaskCache._initialized = False
+    yield
+    LocalTaskCache._initialized = False
+
+
+# ----------------------------------------------------------------------------------------------- ray config
+
+
+def test_gpu_ray_job_config_matches_deploy_constants():
+    from rlpipe.deploy import GPU_WORKER, HEAD_RESOURCES
+    from tasks.ray_config import ray_job_config
+
+    cfg = ray_job_config("gpu")
+    assert cfg.shutdown_after_job_finishes is True and cfg.ttl_seconds_after_finished > 0
+    assert cfg.head_node_config.ray_start_params["num-cpus"] == "0"
+    assert cfg.head_node_config.requests.gpu is None and cfg.head_node_config.requests.cpu == HEAD_RESOURCES.cpu
+    (group,) = cfg.worker_node_config
+    assert group.group_name == "gpu-workers" and group.replicas == GPU_WORKER.replicas
+    assert group.requests == group.limits
+    assert (group.limits.cpu, group.limits.mem, group.limits.gpu) == (GPU_WORKER.cpu, GPU_WORKER.memory, "1")
+    assert ray_job_config("cpu", replicas=5).worker_node_config[0].replicas == 5
+
+
+def test_gpu_worker_resources_serialize_as_nvidia_gpu():
+    from flytekit.core.resources import pod_spec_from_resources
+
+    from tasks.ray_config import ray_job_config
+
+    group = ray_job_config("gpu").worker_node_config[0]
+    pod = pod_spec_from_resources("ray-worker", requests=group.requests, limits=group.limits)
+    assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "1"
+
+
+def test_unknown_kind_is_a_config_error():
+    from rlpipe.errors import ConfigError
+    from tasks.ray_config import ray_job_config
+
+    with pytest.raises(ConfigError, match="unknown deployment kind"):
+        ray_job_config("tpu")
+
+
+# ----------------------------------------------------------------------------------------------- images
+
+
+def test_image_specs_pin_exactly_the_pyproject_dependencies():
+    from images.specs import CPU_IMAGE_SPEC, GPU_IMAGE_SPEC, PINNED_PACKAGES
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert PINNED_PACKAGES == deps
+    for spec in (CPU_IMAGE_SPEC, GPU_IMAGE_SPEC):
+        assert spec.packages == deps
+    assert "cuda" in GPU_IMAGE_SPEC.base_image and "cu12" in GPU_IMAGE_SPEC.pip_extra_index_url[0]
+    assert CPU_IMAGE_SPEC.pip_extra_index_url == ["https://download.pytorch.org/whl/cpu"]
+
+
+def test_image_names_are_the_deploy_images():
+    from images.specs import CPU_IMAGE_SPEC, GPU_IMAGE_SPEC, image_spec
+    from rlpipe.deploy import CPU_IMAGE, GPU_IMAGE
+
+    assert CPU_IMAGE_SPEC.image_name() == CPU_IMAGE and GPU_IMAGE_SPEC.image_name() == GPU_IMAGE
+    with pytest.raises(ValueError):
+        image_spec("arm")
+
+
+# ----------------------------------------------------------------------------------------------- types
+
+
+def _batch(rows: int = 3, with_old: bool = False) -> pd.DataFrame:
+    data = {
+        "group_id": list(range(rows)),
+        "sample_index": [0] * rows,
+        "prompt_index": list(range(rows)),
+        "data_source": ["count"] * rows,
+        "ground_truth": ["3"] * rows,
+        "prompt_ids": [[1, 2, 3][: i + 1] for i in range(rows)],
+        "response_ids": [[7, 8] for _ in range(rows)],
+        "rollout_logprobs": [[-0.1, -1 / 3] for _ in range(rows)],
+        "finish_reason": ["stop"] * rows,
+        "response_text": ["ab"] * rows,
+        "reward": [1.0, 0.0, 0.5][:rows],
+        "advantage": [0.7, -0.7, 0.0][:rows],
+    }
+    if with_old:
+        data["old_logprobs"] = [[-0.2, -0.3] for _ in range(rows)]
+    return pd.DataFrame(data)
+
+
+def test_rollout_batch_roundtrips_through_parquet_with_the_documented_types(tmp_path):
+    import pyarrow as pa
+    from flytekit import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+
+    from tasks.types import (
+        ROLLOUT_ARROW_SCHEMA,
+        AnyRolloutBatch,
+        ScoredRolloutBatch,
+        batch_to_arrow,
+        open_rollout_batch,
+        rollout_dataset,
+    )
+
+    table = batch_to_arrow(_batch(with_old=True))
+    assert table.schema.field("rollout_logprobs").type == pa.list_(pa.float32())
+    assert table.schema.field("old_logprobs").type == pa.list_(pa.float32())
+    assert table.schema.names[: len(ROLLOUT_ARROW_SCHEMA)] == ROLLOUT_ARROW_SCHEMA.names
+
+    ctx = FlyteContextManager.current_context()
+    lt = TypeEngine.to_literal_type(ScoredRolloutBatch)
+    lit = TypeEngine.to_literal(ctx, rollout_dataset(_batch(with_old=True)), ScoredRolloutBatch, lt)
+    back = open_rollout_batch(TypeEngine.to_python_value(ctx, lit, AnyRolloutBatch))
+    assert back["prompt_ids"].tolist() == [[1], [1, 2], [1, 2, 3]]
+    assert back["old_logprobs"].tolist() == [[pytest.approx(-0.2), pytest.approx(-0.3)]] * 3
+    # float32 storage: what the trainer uses anyway (packing makes float32 tensors)
+    assert (
+        back["rollout_logprobs"][0][1] == pytest.approx(-1 / 3, rel=1e-7) and back["rollout_logprobs"][0][1] != -1 / 3
+    )
+
+
+def test_missing_declared_column_is_an_error():
+    from tasks.types import batch_to_arrow
+
+    with pytest.raises(KeyError):
+        batch_to_arrow(_batch().drop(columns=["advantage"]))
+
+
+def test_metrics_table_merges_rows_of_one_iteration():
+    from flytekit.types.structured import StructuredDataset  # noqa: F401 - registers encoders
+
+    from tasks.phases import metrics_table
+    from tasks.types import metrics_dataset
+
+    rows = [[{"iteration": 2.0, "loss": 0.5}], [{"iteration": 1.0, "loss": 1.0}, {"iteration": 1.0, "sft/loss": 3.0}]]
+    config = '{"experiment": "x"}'
+    frame = metrics_table(config=config, rows=rows).open(pd.DataFrame).all()
+    assert frame["iteration"].tolist() == [1.0, 2.0]
+    assert frame["loss"].tolist() == [1.0, 0.5]
+    assert frame["sft/loss"].iloc[0] == 3.0 and math.isnan(frame["sft/loss"].iloc[1])
+    assert list(metrics_dataset([{"b": 1.0, "iteration": 1.0, "a": 2.0}]).dataframe.columns) == ["iteration", "a", "b"]
+
+
+# ----------------------------------------------------------------------------------------------- decks
+
+
+def test_curves_and_table_html_show_every_panel_and_value():
+    from tasks.decks import PANELS, curves_html, table_html
+
+    rows = [{"iteration": 1.0, "reward_mean": 0.125, "kl": 0.5}, {"iteration": 2.0, "reward_mean": 0.25}]
+    page = curves_html(rows, include_plotlyjs=False)
+    for title in PANELS:
+        assert title in page
+    assert "reward_mean" in page and '"kl"' in page
+    table = table_html(rows)
+    assert "0.125" in table and "0.25" in table and "<th>iteration</th>" in table
+    assert "<script>" not in table_html([{"iteration": 1.0, "<script>": 1.0}])
+
+
+def test_training_decks_publish_outside_a_task_is_a_noop():
+    from tasks.decks import TrainingDecks
+
+    decks = TrainingDecks("t", publish_every_s=1e9)
+    decks.add({"iteration": 1.0, "loss": 1.0})
+    assert decks.publish() is False and len(decks.rows) == 1
+
+
+def test_decks_are_published_while_a_task_runs(tmp_path):
+    import flytekit
+    from flytekit import task
+
+    from tasks.decks import CURVES_DECK, TABLE_DECK, TrainingDecks
+
+    seen = {}
+
+    @task(enable_deck=True)
+    def fake_train() -> int:
+        decks = TrainingDecks("run", publish_every_s=0.0)
+        decks.add({"iteration": 1.0, "loss": 2.0})
+        decks.add({"iteration": 2.0, "loss": 1.0})
+        seen["names"] = [d.name for d in flytekit.current_context().decks]
+        return len(decks.rows)
+
+    assert fake_train() == 2
+    assert seen["names"].count(CURVES_DECK) == 1 and seen["names"].count(TABLE_DECK) == 1
+
+
+# ----------------------------------------------------------------------------------------------- errors, artifacts
+
+
+@pytest.mark.parametrize("make", ["recoverable", "actor_died", "node_died", "actor_error"])
+def test_lost_workers_become_recoverable(make):
+    import ray.exceptions as rex
+    from flytekit.exceptions.user import FlyteRecoverableException
+
+    from rlpipe.errors import RecoverableError
+    from tasks.errors import retry_on_lost_workers
+
+    exc = {
+        "recoverable": lambda: RecoverableError("worker lost"),
+        "actor_died": rex.ActorDiedError,
+        "node_died": lambda: rex.NodeDiedError("node gone"),
+        "actor_error": rex.RayActorError,
+    }[make]()
+    with pytest.raises(FlyteRecoverableException) as info, retry_on_lost_workers("train"):
+        raise exc
+    assert info.value.__cause__ is exc and "train" in str(info.value)
+
+
+def test_user_errors_stay_non_recoverable():
+    from flytekit.exceptions.user import FlyteRecoverableException
+
+    from rlpipe.errors import ConfigError
+    from tasks.errors import retry_on_lost_workers
+
+    with pytest.raises(ConfigError), retry_on_lost_workers("train"):
+        raise ConfigError("bad")
+    assert not issubclass(ConfigError, FlyteRecoverableException)
+
+
+def test_artifact_partitions_are_attached_to_the_output_literal():
+    from flytekit import FlyteContextManager, task
+    from flytekit.core.context_manager import ExecutionState, OutputMetadataTracker
+    from flytekit.models.literals import LiteralMap
+
+    from tasks.artifacts import tag
+
+    @task
+    def make() -> Annotated[int, CheckpointArtifact()]:
+        return tag(CheckpointArtifact, 7, "exp-a", 42)
+
+    ctx = FlyteContextManager.current_context()
+    with FlyteContextManager.with_context(
+        ctx.with_execution_state(
+            ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+        ).with_output_metadata_tracker(OutputMetadataTracker())
+    ) as exec_ctx:
+        out = make.dispatch_execute(exec_ctx, LiteralMap({}))
+    from base64 import b64decode
+
+    from flyteidl.core import artifact_id_pb2
+
+    meta = out.literals["o0"].metadata
+    art = artifact_id_pb2.ArtifactID()
+    art.ParseFromString(b64decode(meta["_uap"]))
+    assert {k: v.static_value for k, v in art.partitions.value.items()} == {"experiment": "exp-a", "step": "42"}
+
+
+def test_resolve_config_applies_overrides_and_validates(tmp_path):
+    import json
+
+    from rlpipe.errors import ConfigError
+    from tasks.phases import resolve_config
+
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("iterations: 7\nrollout:\n  n: 4\n")
+    cfg = json.loads(resolve_config(config_file=str(yaml_file), overrides=["train.lr=1e-4"]))
+    assert cfg["iterations"] == 7 and cfg["rollout"]["n"] == 4 and cfg["train"]["lr"] == 1e-4
+    assert json.loads(resolve_config())["experiment"] == "grpo-count"
+    with pytest.raises(ConfigError):
+        resolve_config(overrides=["train.nope=1"])

@@ -1,0 +1,1 @@
+"""Flyte workflows of rlpipe: `grpo` (segments, the fast default) and `grpo_granular` (one task per phase)."""
