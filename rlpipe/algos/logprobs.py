@@ -66,8 +66,9 @@ class _ChunkedLogprob(torch.autograd.Function):
             h_c = hidden[s:e].to(dt)
             logits = h_c @ w.T
             if t != 1.0:
-                logits = logits / t
-            grad_z = torch.exp(logits - lse[s:e, None]).mul_(-g_c[:, None])  # -g * softmax
+                logits.div_(t)
+            # In place: one [chunk, vocab] buffer becomes the gradient (no separate logits - lse and exp copies).
+            grad_z = logits.sub_(lse[s:e, None]).exp_().mul_(-g_c[:, None])  # -g * softmax
             grad_z.scatter_add_(1, safe[s:e, None], g_c[:, None])  # + g * onehot
             if t != 1.0:
                 grad_z.div_(t)
