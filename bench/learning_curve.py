@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from results import append_section  # noqa: E402
+from _common import table, write_section  # noqa: E402
 
 
 def run_default(workdir: Path, overrides: list[str]) -> tuple[list[dict], float]:
@@ -67,19 +67,19 @@ def main() -> None:
     last = sum(rewards[-args.window :]) / args.window
     plot(rows, HERE / "learning_curve.png", "rlpipe default: tiny model, built-in count task, CPU")
     met = first <= 0.3 and last >= 0.8 and wall <= 600
-    table = [
+    measures = [
         ("iterations", str(len(rows))),
         (f"mean reward, first {args.window}", f"{first:.3f}"),
         (f"mean reward, last {args.window}", f"{last:.3f}"),
         ("wall time (incl. warm-up SFT and Ray start)", f"{wall:.0f} s"),
         ("target <=0.3 -> >=0.8 in <=600 s", "met" if met else "NOT met"),
     ]
-    print("\n".join(f"{k}: {v}" for k, v in table))
+    print("\n".join(f"{k}: {v}" for k, v in measures))
     print("rewards:", " ".join(f"{r:.2f}" for r in rewards))
     if not args.no_record:
-        cmd = "python bench/learning_curve.py" + "".join(f" --set {o}" for o in args.set)
-        extra = "Reward per iteration: " + " ".join(f"{r:.2f}" for r in rewards) + "\n\n![](learning_curve.png)\n"
-        append_section("Learning proof (default pipeline)", cmd, table, extra)
+        body = table(["measure", "value"], [list(m) for m in measures])
+        body += "\n\nReward per iteration: " + " ".join(f"{r:.2f}" for r in rewards) + "\n\n![](learning_curve.png)\n"
+        write_section("Learning proof (default pipeline)", body, None, __file__, None)
 
 
 if __name__ == "__main__":
