@@ -248,7 +248,7 @@ class RLSession:
         except BaseException:
             ckpt.abort_checkpoint(tmp)
             raise
-        self.parent = str(final)
+        self.parent = _absolute(final)  # a relative root must still resolve when read from elsewhere
         self.state.data = []
         return str(final)
 
@@ -284,7 +284,7 @@ class RLSession:
                 raise CheckpointError(f"{path}: sft is enabled but the checkpoint has no SFT sampler state")
             self.sft_sampler.load_state_dict(state.sft_loader_state)
         ckpt.restore_rng_state(state.rng_states[0])
-        self.parent = str(path)
+        self.parent = _absolute(path)
 
     def close(self) -> None:
         self.controller.shutdown()
@@ -299,6 +299,12 @@ def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> lis
 
     shadow = [dataclasses.replace(it, rollout_logprobs=[float(x) for x in batch[column].iloc[it.row]]) for it in items]
     return [[p.rollout_logprobs for p in mb] for mb in session._minibatches(shadow)]
+
+
+def _absolute(location: str | Path) -> str:
+    """Lineage parents are stored absolute (URIs as they are): a manifest is read from any working directory."""
+    text = str(location)
+    return text if "://" in text else str(Path(text).resolve())
 
 
 def _check_vocab(tokenizer, model_dir: str) -> None:
