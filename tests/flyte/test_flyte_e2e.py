@@ -11,6 +11,8 @@ from flytekit.types.directory import FlyteDirectory
 from tasks.segment import rl_segment
 from tasks.types import Checkpoint
 
+from ..conftest import tiny_overrides
+
 pytestmark = pytest.mark.e2e
 
 COMPARED = ("reward_mean", "reward_std", "loss", "policy_loss", "grad_norm", "train_entropy", "rollout_entropy",
@@ -31,20 +33,8 @@ def isolated_home(tmp_path, monkeypatch):
 
 
 def _overrides(tmp_path, name: str, **extra) -> list[str]:
-    base = {
-        "experiment": name,
-        "output_dir": str(tmp_path / "out"),
-        "checkpoint.root": str(tmp_path / "ckpt"),
-        "iterations": 2,
-        "segment_size": 2,
-        "rollout.prompts_per_step": 4,
-        "rollout.n": 4,
-        "rollout.max_new_tokens": 6,
-        "model.warmup_sft_steps": 20,
-        "train.pack_max_length": 128,
-        "train.world_size": 1,
-    }
-    base.update(extra)
+    """The shared tiny test config (tests/conftest.py) as `key=value` workflow overrides, two iterations."""
+    base = tiny_overrides(tmp_path, **{"experiment": name, "iterations": 2, "segment_size": 2, **extra})
     return [f"{k}={v}" for k, v in base.items()]
 
 
