@@ -3,7 +3,9 @@
 How isolation is achieved (checked in transformers 5.24 ``masking_utils``): when the backbone gets
 ``attention_mask=None``, no KV cache (``use_cache=False``) and ``position_ids`` that restart at 0 for every
 sequence, ``find_packed_sequence_indices`` detects the packed format and builds a block-diagonal causal mask
-(sdpa/eager/flex), and flash-attention derives varlen ``cu_seqlens`` from the same position ids. So no explicit 4D
+(sdpa/eager/flex), and flash-attention derives varlen ``cu_seqlens`` from the same position ids. With
+``rlpipe.models.packed_attention.PACKED_SDPA`` (what the trainer uses in place of ``sdpa``) no mask is built and
+attention runs per sequence from ``cu_seq_lens``. So no explicit 4D
 mask is needed, and none is passed (a 4D mask would break flash-attention). The one requirement is that
 ``position_ids`` restart exactly at every ``cu_seq_lens`` boundary, which ``check_packed_positions`` enforces.
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlpipe.errors import DataError
+from rlpipe.models.packed_attention import PACKED_SDPA
 
 if TYPE_CHECKING:
     from rlpipe.data.packing import Pack
@@ -73,11 +76,17 @@ def packed_hidden_states(
     if check:
         check_packed_positions(position_ids, cu_seq_lens)
     backbone = model.get_decoder()
+    varlen = {}
+    if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA:  # per-sequence attention, no L x L mask
+        max_len = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if cu_seq_lens.numel() > 1 else 0
+        varlen = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max_len,
+                  "max_length_k": max_len}  # fmt: skip
     out = backbone(
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
         attention_mask=None,  # None + restarting position_ids => transformers builds the packed (block) mask
         use_cache=False,  # a cache disables packed-sequence detection
+        **varlen,
     )
     return out.last_hidden_state[0]
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import Pack
 from rlpipe.models.loading import load_model
+from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.hf_engine import HFRolloutEngine
 from rlpipe.train import checkpoint as ckpt
@@ -66,7 +67,7 @@ class TrainingWorker:
     def _build_policy(self, model_dir: str) -> PolicyModel:
         model_cfg = self.cfg.model
         hf = load_model(model_dir, model_cfg.dtype, str(self.device), model_cfg.trust_remote_code,
-                        model_cfg.attn_implementation)  # fmt: skip
+                        scoring_attention(model_cfg.attn_implementation, self.cfg.train.packed_attention))  # fmt: skip
         hf.config.use_cache = False
         hf.train()
         policy = PolicyModel(hf, self.cfg.algo.chunk_size)
@@ -78,7 +79,7 @@ class TrainingWorker:
         """Frozen reference for KL: `ref_load_from` or the base policy; parked on CPU between uses (as the seed)."""
         path = self.cfg.train.ref_load_from or self.model_dir
         hf = load_model(path, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code,
-                        self.cfg.model.attn_implementation)  # fmt: skip
+                        scoring_attention(self.cfg.model.attn_implementation, self.cfg.train.packed_attention))  # fmt: skip
         hf.eval().requires_grad_(False)
         return PolicyModel(hf, self.cfg.algo.chunk_size)
 

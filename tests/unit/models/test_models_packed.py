@@ -17,6 +17,7 @@ from rlpipe.models.packed import (
     packed_hidden_states,
     token_logprobs,
 )
+from rlpipe.models.packed_attention import PACKED_SDPA, pack_gather_index, scoring_attention
 from rlpipe.models.tiny import TinyModelConfig, build_tiny_model
 
 VOCAB = 50
@@ -68,22 +69,24 @@ def _reference_logprobs(model, prompt, response):
     return out
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", PACKED_SDPA])
 def test_packed_logprobs_equal_per_sequence(model, attn):
-    model.set_attn_implementation(attn)
     seqs = _sequences()
+    refs = [torch.tensor(_reference_logprobs(model, p, r)) for p, r in seqs]  # one sequence at a time, sdpa
     items = [SequenceItem(p, r, row=i) for i, (p, r) in enumerate(seqs)]
     (pack,) = pack_sequences(items, pack_max_length=32, pad_token_id=0)  # one pack + a padding segment
     assert pack.num_sequences == 3
-    with torch.no_grad():
-        lp = token_logprobs(model, pack, chunk_size=4)
+    model.set_attn_implementation(attn)
+    try:
+        with torch.no_grad():
+            lp = token_logprobs(model, pack, chunk_size=4)
+    finally:
+        model.set_attn_implementation("sdpa")
     assert lp.shape == (32,)
     assert torch.all(lp[pack.shifted_labels == -100] == 0)
-    for row, (p, r) in enumerate(seqs):
-        ref = torch.tensor(_reference_logprobs(model, p, r))
+    for row, ref in enumerate(refs):
         got = lp[(pack.seq_index == row) & (pack.shifted_labels != -100)]
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    model.set_attn_implementation("sdpa")
 
 
 def test_tensor_form_equals_pack_form_and_hidden_is_isolated(model):
@@ -140,3 +143,52 @@ def test_position_checks():
 def test_rejects_2d_input(model):
     with pytest.raises(DataError, match="1-D"):
         packed_hidden_states(model, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), None)
+
+
+def _grads_of_pack_loss(model, pack):
+    model.zero_grad(set_to_none=True)
+    lp = token_logprobs(model, pack, chunk_size=8)
+    weights = torch.linspace(-1.0, 1.0, lp.numel())  # a loss that weighs every token differently
+    (lp * weights).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_packed_sdpa_matches_block_mask_sdpa_values_and_grads(model):
+    """The per-sequence attention is the block-diagonal attention: same logprobs, same gradients (GQA model)."""
+    g = torch.Generator().manual_seed(1)
+    items = [
+        SequenceItem(torch.randint(3, VOCAB, (p,), generator=g).tolist(), torch.randint(3, VOCAB, (r,), generator=g).tolist(), row=i)
+        for i, (p, r) in enumerate([(1, 1), (6, 3), (2, 9), (4, 4), (3, 1)])
+    ]  # fmt: skip
+    (pack,) = pack_sequences(items, pack_max_length=48, pad_token_id=0)
+    model.set_attn_implementation("sdpa")
+    lp_ref, grads_ref = _grads_of_pack_loss(model, pack)
+    model.set_attn_implementation(PACKED_SDPA)
+    try:
+        lp, grads = _grads_of_pack_loss(model, pack)
+    finally:
+        model.set_attn_implementation("sdpa")
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_sdpa_refuses_unpacked_use(model):
+    """Generation (batches, KV cache, no cu_seq_lens) must never run on the packed backend silently."""
+    model.set_attn_implementation(PACKED_SDPA)
+    try:
+        with pytest.raises(RuntimeError, match="packed rows only"):
+            model(input_ids=torch.randint(3, VOCAB, (2, 5)))
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_pack_gather_index_and_backend_choice():
+    index, valid = pack_gather_index(torch.tensor([0, 2, 5, 6]), 3)
+    assert index.tolist() == [[0, 1, 2], [2, 3, 4], [5, 5, 5]]
+    assert valid.tolist() == [[True, True, False], [True, True, True], [True, False, False]]
+    assert scoring_attention("sdpa") == PACKED_SDPA
+    assert scoring_attention("sdpa", packed_attention=False) == "sdpa"
+    assert scoring_attention("flash_attention_2") == "flash_attention_2"  # varlen already
