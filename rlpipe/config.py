@@ -1,7 +1,8 @@
 """Pipeline configuration: one pydantic tree, loadable from YAML, with every field documented.
 
 Unknown fields are rejected everywhere (`extra="forbid"`) so a typo in a YAML file is an error, not a silent default.
-The defaults describe the built-in demo: a tiny char-level model learning to count letters on CPU in minutes.
+The defaults describe the built-in demo: a tiny char-level model learning single-digit sums (task `sum`) on CPU in
+minutes, from a mean sampled reward of ~0.3 to ~0.85 (bench/learning_curve.py measures it).
 """
 
 from __future__ import annotations
@@ -33,19 +34,22 @@ class ModelConfig(_Strict):
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the tiny default model.")
     warmup_sft_steps: int = Field(
-        250,
+        180,
         ge=0,
         description="SFT steps on the built-in task's demonstrations when the tiny default model is first built, so RL "
-        "starts from a policy that sometimes succeeds (RL from random weights has no reward signal).",
+        "starts from a policy that sometimes succeeds (RL from random weights has no reward signal). The default leaves "
+        "the tiny model at ~0.26 sampled reward on `sum`, so the run shows what RL adds.",
     )
     warmup_sft_batch_size: int = Field(32, ge=1, description="Sequences per warm-up SFT step.")
-    warmup_sft_lr: float = Field(3e-3, gt=0, description="Learning rate of the warm-up SFT.")
+    warmup_sft_lr: float = Field(1e-3, gt=0, description="Learning rate of the warm-up SFT.")
 
 
 class DataConfig(_Strict):
     """Prompt data: a built-in synthetic task or a user parquet/jsonl file (verl-style columns)."""
 
-    task: str | None = Field("count", description="Built-in task name (count, reverse, add, mix); ignored if path set.")
+    task: str | None = Field(
+        "sum", description="Built-in task name (sum, count, reverse, add, mix); ignored if path set."
+    )
     path: str | None = Field(None, description="Prompt dataset file (.parquet or .jsonl); overrides `task`.")
     num_prompts: int = Field(2000, ge=1, description="Number of prompts generated for a built-in task.")
     eval_path: str | None = Field(None, description="Held-out prompt file for `evaluate`; built-in tasks generate one.")
@@ -74,7 +78,7 @@ class RolloutConfig(_Strict):
     engine: Literal["hf", "openai"] = Field("hf", description="hf: batched generate in the workers; openai: a server.")
     server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible server (engine=openai).")
     server_model: str | None = Field(None, description="Model name sent to the server (engine=openai).")
-    prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per RL iteration (global).")
+    prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per RL iteration (global).")
     n: int = Field(8, ge=1, description="Responses per prompt: the group size of group-relative advantages.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
@@ -129,7 +133,12 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warm-up.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    warmup_steps: int = Field(
+        10,
+        ge=0,
+        description="Linear warm-up optimizer steps. A fresh AdamW's first steps move every weight by ~lr (sign-like); "
+        "without warm-up the default run's first update drops reward from 0.28 to 0.05.",
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of the peak (linear/cosine).")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm; a non-finite norm skips the step.")
     optimizer_steps: int = Field(1, ge=1, description="Optimizer steps per RL iteration (mini-batches).")
@@ -159,10 +168,10 @@ class CheckpointConfig(_Strict):
 class PipelineConfig(_Strict):
     """Everything one RL run needs."""
 
-    experiment: str = Field("grpo-count", description="Experiment name: checkpoint sub-directory and lineage key.")
+    experiment: str = Field("grpo-sum", description="Experiment name: checkpoint sub-directory and lineage key.")
     output_dir: str = Field("runs", description="Base model, metrics.jsonl and generated data go here.")
-    iterations: int = Field(30, ge=1, description="RL iterations in total.")
-    segment_size: int = Field(10, ge=1, description="Iterations per Ray job in the segment workflow.")
+    iterations: int = Field(400, ge=1, description="RL iterations in total.")
+    segment_size: int = Field(100, ge=1, description="Iterations per Ray job in the segment workflow.")
     eval_every: int = Field(0, ge=0, description="Evaluate on held-out prompts every N iterations (0 = never).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")

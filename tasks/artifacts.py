@@ -1,7 +1,7 @@
 """Flyte Artifacts the tasks emit, partitioned by experiment and step.
 
 On a Union backend these make checkpoints, rollout batches and exported models queryable
-(`CheckpointArtifact.query(experiment="grpo-count")`) and draw lineage between runs. On open-source Flyte and in local
+(`CheckpointArtifact.query(experiment="grpo-sum")`) and draw lineage between runs. On open-source Flyte and in local
 runs the partition values are only metadata on the output literal: nothing fails and nothing depends on them (resume
 uses the checkpoint root, lineage is in every checkpoint's manifest.json).
 """

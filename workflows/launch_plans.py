@@ -18,7 +18,7 @@ from workflows.grpo import grpo
 
 NIGHTLY_CRON = "0 2 * * *"
 NIGHTLY_ITERATIONS = 10
-NIGHTLY_EXPERIMENT = "grpo-count-nightly"
+NIGHTLY_EXPERIMENT = "grpo-sum-nightly"
 NIGHTLY_CHECKPOINT_ROOT = os.environ.get("RLPIPE_CHECKPOINT_ROOT", "/data/runs/checkpoints")
 """Checkpoint root of the nightly run: the shared volume of k8s/base (ReadWriteMany PVC at /data) by default, or an
 object-store URI (s3://bucket/prefix); set RLPIPE_CHECKPOINT_ROOT when registering to change it."""

@@ -276,6 +276,6 @@ def test_resolve_config_applies_overrides_and_validates(tmp_path):
     yaml_file.write_text("iterations: 7\nrollout:\n  n: 4\n")
     cfg = json.loads(resolve_config(config_file=str(yaml_file), overrides=["train.lr=1e-4"]))
     assert cfg["iterations"] == 7 and cfg["rollout"]["n"] == 4 and cfg["train"]["lr"] == 1e-4
-    assert json.loads(resolve_config())["experiment"] == "grpo-count"
+    assert json.loads(resolve_config())["experiment"] == "grpo-sum"
     with pytest.raises(ConfigError):
         resolve_config(overrides=["train.nope=1"])
