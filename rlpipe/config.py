@@ -142,6 +142,12 @@ class TrainConfig(_Strict):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of the peak (linear/cosine).")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm; a non-finite norm skips the step.")
     optimizer_steps: int = Field(1, ge=1, description="Optimizer steps per RL iteration (mini-batches).")
+    old_logprobs: Literal["auto", "recompute"] = Field(
+        "auto",
+        description="auto: with one optimizer step per iteration and rollout IS off the old policy is the current "
+        "one, so old logprobs are the training forward's own (detached; ratio exactly 1) and one forward pass is "
+        "saved; recompute: always a separate no-grad forward first (the seed's order).",
+    )
     packed_attention: bool = Field(
         True,
         description="With model.attn_implementation='sdpa', score packs with rlpipe's per-sequence sdpa "

@@ -38,3 +38,25 @@ def tiny_overrides(tmp_path, **extra) -> dict:
     }
     base.update(extra)
     return base
+
+
+def in_process_worker(cfg, model_dir: str):
+    """A TrainingWorker without a process group (world size 1): what `setup` builds, minus init_process_group."""
+    import torch
+
+    from rlpipe.models.loading import load_model
+    from rlpipe.train.optim import build_optimizer
+    from rlpipe.train.policy import PolicyModel
+    from rlpipe.train.worker import TrainingWorker
+
+    threads = torch.get_num_threads()
+    w = TrainingWorker(cfg.model_dump_json(), model_dir, 0, 1)
+    torch.set_num_threads(threads)  # __init__ pins the worker's threads; do not slow the test process down
+    torch.manual_seed(0)
+    w.policy = PolicyModel(load_model(model_dir), cfg.algo.chunk_size)
+    w.policy.hf.config.use_cache = False
+    w.policy.train()
+    w.optimizer = build_optimizer(w.policy.parameters(), cfg.train)
+    w.ref, w.rollout_model, w._rollout_stale = None, None, True
+    w.optimizer_step, w.skipped_steps = 0, 0
+    return w

@@ -145,16 +145,48 @@ class TrainingWorker:
         fit_start = time.perf_counter()
         packs = [p.to(self.device) for p in packs]
         t0 = time.perf_counter()
-        if old_logprobs is None:
+        on_policy = old_logprobs is None and self._old_is_current(steps)
+        if old_logprobs is None and not on_policy:
             old_logprobs = self.compute_logprobs(packs)
         if self.ref is not None and ref_logprobs is None:
             ref_logprobs = self.compute_ref_logprobs(packs)
         logprob_time = time.perf_counter() - t0
-        old_logprobs = [t.to(self.device) for t in old_logprobs]
         ref_logprobs = [t.to(self.device) for t in ref_logprobs] if ref_logprobs is not None else None
+        if on_policy:  # the step's own forward yields the old logprobs; statistics follow from them
+            old_logprobs = []
+            step = self._rl_step(packs, None, ref_logprobs, None, total_steps, collect_old=old_logprobs)
+            metrics = self._fit_metrics(iteration, batch_statistics(packs, old_logprobs, ref_logprobs, self.cfg.algo))
+            metrics.steps.append(step)
+        else:
+            old_logprobs = [t.to(self.device) for t in old_logprobs]
+            stats: BatchStats = batch_statistics(packs, old_logprobs, ref_logprobs, self.cfg.algo)
+            metrics = self._fit_metrics(iteration, stats)
+            start = 0
+            for count in steps:
+                idx = range(start, start + count)
+                start += count
+                step = self._rl_step(
+                    [packs[i] for i in idx],
+                    [old_logprobs[i] for i in idx],
+                    [ref_logprobs[i] for i in idx] if ref_logprobs is not None else None,
+                    [stats.is_weights[i] for i in idx] if stats.is_weights is not None else None,
+                    total_steps,
+                )
+                metrics.steps.append(step)
+        metrics.logprob_time_s = logprob_time
+        metrics.skipped_steps = sum(s.skipped for s in metrics.steps)
+        metrics.fit_time_s = time.perf_counter() - fit_start
+        return metrics
 
-        stats: BatchStats = batch_statistics(packs, old_logprobs, ref_logprobs, self.cfg.algo)
-        metrics = FitMetrics(
+    def _old_is_current(self, steps: list[int]) -> bool:
+        """One optimizer step per iteration and no rollout IS: the old policy is the current one, so its logprobs
+        are the (detached) logprobs of the training forward itself and a separate forward pass is redundant."""
+        single = len(steps) == 1
+        return self.cfg.train.old_logprobs == "auto" and single and not self.cfg.algo.rollout_is.enabled
+
+    @staticmethod
+    def _fit_metrics(iteration: int, stats: BatchStats) -> FitMetrics:
+        return FitMetrics(
             iteration=iteration,
             train_entropy=stats.train_entropy,
             rollout_entropy=stats.rollout_entropy,
@@ -163,36 +195,31 @@ class TrainingWorker:
             total_tokens=stats.real_tokens,
             efficient_attn_ratio=stats.efficient_attn_ratio,
             fit_time_s=0.0,
-            logprob_time_s=logprob_time,
+            logprob_time_s=0.0,
             mismatch=stats.mismatch,
             rollout_is=stats.rollout_is,
         )
-        start = 0
-        for count in steps:
-            idx = range(start, start + count)
-            start += count
-            step = self._rl_step(
-                [packs[i] for i in idx],
-                [old_logprobs[i] for i in idx],
-                [ref_logprobs[i] for i in idx] if ref_logprobs is not None else None,
-                [stats.is_weights[i] for i in idx] if stats.is_weights is not None else None,
-                total_steps,
-            )
-            metrics.steps.append(step)
-        metrics.skipped_steps = sum(s.skipped for s in metrics.steps)
-        metrics.fit_time_s = time.perf_counter() - fit_start
-        return metrics
 
-    def _rl_step(self, packs, old, ref, is_weights, total_steps: int) -> TrainStepMetrics:
-        """Forward/backward every micro-batch of this step, then one optimizer step."""
+    def _rl_step(
+        self, packs, old, ref, is_weights, total_steps: int, collect_old: list[torch.Tensor] | None = None
+    ) -> TrainStepMetrics:
+        """Forward/backward every micro-batch of this step, then one optimizer step.
+
+        `old=None`: on-policy, each pack's old logprobs are its detached training logprobs (appended to
+        `collect_old`), so the ratio is exactly 1 and the gradient is the plain policy gradient.
+        """
         start = time.perf_counter()
         _reset_peak_memory(self.device)
         global_tokens, global_seqs = _global_counts(packs, self.device)
         lr = set_lr(self.optimizer, self.cfg.train, self.optimizer_step, total_steps)
         sums = StepSums(self.device)
         for i, pack in enumerate(packs):
+            logprobs = self.policy.logprobs(pack)
+            old_i = old[i] if old is not None else logprobs.detach()
+            if collect_old is not None:
+                collect_old.append(old_i)
             loss = rl_microbatch_loss(
-                self.policy.logprobs(pack), pack, old[i], ref[i] if ref is not None else None,
+                logprobs, pack, old_i, ref[i] if ref is not None else None,
                 is_weights[i] if is_weights is not None else None, self.cfg.algo, global_tokens, global_seqs,
                 self.cfg.rollout.max_new_tokens, sums,
             )  # fmt: skip

@@ -11,29 +11,12 @@ import torch.distributed as dist
 
 from rlpipe.config import load_config
 from rlpipe.data.packing import SequenceItem, pack_sequences
-from rlpipe.models.loading import load_model
-from rlpipe.train.optim import build_optimizer
-from rlpipe.train.policy import PolicyModel
 from rlpipe.train.worker import TrainingWorker
 
+from ..conftest import in_process_worker as _worker
 from .conftest import fast_overrides
 
 pytestmark = pytest.mark.reliability
-
-
-def _worker(cfg, model_dir: str) -> TrainingWorker:
-    """A TrainingWorker without a process group (world size 1): what `setup` builds, minus init_process_group."""
-    threads = torch.get_num_threads()
-    w = TrainingWorker(cfg.model_dump_json(), model_dir, 0, 1)
-    torch.set_num_threads(threads)  # __init__ pins the worker's threads; do not slow the test process down
-    torch.manual_seed(0)
-    w.policy = PolicyModel(load_model(model_dir), cfg.algo.chunk_size)
-    w.policy.hf.config.use_cache = False
-    w.policy.train()
-    w.optimizer = build_optimizer(w.policy.parameters(), cfg.train)
-    w.ref, w.rollout_model, w._rollout_stale = None, None, True
-    w.optimizer_step, w.skipped_steps = 0, 0
-    return w
 
 
 def _pack(advantage: float, seed: int):
