@@ -83,6 +83,22 @@ def test_results_file_is_appended_not_overwritten(tmp_path):
     assert "- command: `python bench/x.py --quick`" in text
 
 
+def test_warmup_probe_quick(tmp_path, capsys):
+    out = _main("warmup_probe.py", tmp_path / "r.md", capsys)
+    m = re.search(r"warm-up 5 steps: sampled (\d\.\d+), greedy (\d\.\d+)", out)
+    assert m, out
+    assert 0.0 <= float(m.group(1)) <= 1.0 and 0.0 <= float(m.group(2)) <= 1.0
+    text = (tmp_path / "r.md").read_text()
+    assert "## Warm-up probe: where RL starts" in text and "| 5 |" in text
+
+
+@pytest.mark.slow
+def test_orchestration_quick(tmp_path):
+    out = _run("orchestration.py", tmp_path / "r.md", 900)
+    assert re.search(r"grpo workflow overhead vs rlpipe run: [+-]\d+\.\d%", out)
+    _check_section(tmp_path / "r.md", "Orchestration overhead: Flyte workflows vs rlpipe run")
+
+
 @pytest.mark.slow
 def test_scaling_quick(tmp_path):
     out = _run("scaling.py", tmp_path / "r.md", 600)
