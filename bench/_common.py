@@ -67,6 +67,20 @@ def write_section(title: str, body: str, results: Path | None, script: str, argv
     return section
 
 
+def finish_reward_plot(fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> None:
+    """Shared look of the reward plots (0..1 axis, legend bottom right) and save them as PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def verdict(met: bool) -> str:
     return "**met**" if met else "**missed**"
 

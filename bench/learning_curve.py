@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import table, write_section  # noqa: E402
+from _common import finish_reward_plot, table, write_section  # noqa: E402
 
 from rlpipe.config import PipelineConfig  # noqa: E402
 
@@ -50,13 +50,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.plot(it, [r["pass_at_n"] for r in rows], label="pass@n", alpha=0.5)
     ax.axhline(0.8, color="grey", ls="--", lw=0.8)
     ax.axhline(0.3, color="grey", ls=":", lw=0.8)
-    ax.set_xlabel("RL iteration")
-    ax.set_ylabel("reward")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_reward_plot(fig, ax, path, title, "RL iteration", "reward")
 
 
 def main() -> None:

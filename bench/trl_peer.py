@@ -54,7 +54,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import median, table, verdict, write_section  # noqa: E402
+from _common import finish_reward_plot, median, table, verdict, write_section  # noqa: E402
 
 TARGET = 1.5  # rlpipe speedup over TRL at equal work (issue 6 item 5)
 SKIP = 2  # warm-up steps excluded from every timing, on both sides
@@ -392,14 +392,7 @@ def plot(curves: dict[str, list[list[float]]], path: Path, title: str) -> None:
             ax.plot(steps, rewards, color=color, alpha=0.25, lw=0.8)
         med = [median([run[i] for run in runs]) for i in range(len(runs[0]))]
         ax.plot(steps, med, color=color, lw=1.8, label=f"{name} (median of {len(runs)} runs)")
-    ax.set_xlabel("RL step (optimizer update)")
-    ax.set_ylabel("mean sampled reward (T=1)")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_reward_plot(fig, ax, path, title, "RL step (optimizer update)", "mean sampled reward (T=1)")
 
 
 # ---------------------------------------------------------------------------------------------- main
