@@ -3,8 +3,8 @@
 One timed unit is a full optimizer step over a global batch: forward + backward of ``rl_microbatch_loss`` for
 every micro-batch, then AdamW. Both layouts use the same token budget per micro-batch (``--budget``):
 
-- packed: ``pack_sequences(..., pad_to_max_length=False)`` -> 1-D rows through ``PolicyModel`` (varlen, no
-  cross-sequence attention);
+- packed: ``pack_sequences(..., pad_to_max_length=False)`` -> 1-D rows through ``PolicyModel`` with the trainer's
+  per-sequence attention (``rlpipe.models.packed_attention``; no cross-sequence attention, no L x L mask);
 - padded: sequences in arrival order, greedily grouped so ``count * longest <= budget``, each group
   ``pad_sequences``-ed to its longest and run as a ``[B, Lmax]`` batch with a padding attention mask (standard HF
   padded training); the loss sees the flattened batch.
@@ -29,6 +29,7 @@ from rlpipe.algos.logprobs import chunked_logprobs  # noqa: E402
 from rlpipe.config import AlgoConfig  # noqa: E402
 from rlpipe.data.packing import Pack, SequenceItem, efficient_attn_ratio, pack_sequences, pad_sequences  # noqa: E402
 from rlpipe.models.packed import lm_head_weight  # noqa: E402
+from rlpipe.models.packed_attention import scoring_attention  # noqa: E402
 from rlpipe.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 from rlpipe.train.objective import StepSums, rl_microbatch_loss  # noqa: E402
 from rlpipe.train.policy import PolicyModel  # noqa: E402
@@ -113,6 +114,11 @@ def profile_top(
     return ", ".join(f"`{e.key}` {100 * e.self_cpu_time_total / total:.0f}%" for e in events[:top])
 
 
+def use_layout_attention(hf, padded: bool) -> None:
+    """What the trainer runs: per-sequence attention for packs (PACKED_SDPA), stock sdpa + mask for padded rows."""
+    hf.set_attn_implementation("sdpa" if padded else scoring_attention("sdpa"))
+
+
 def bench_model(
     name: str, cfg: TinyModelConfig, items: list[SequenceItem], budget: int, repeats: int, profile: bool = True
 ) -> dict:
@@ -131,12 +137,14 @@ def bench_model(
     max_resp = max(len(it.response_ids) for it in items)
     layouts = {"packed": (packs, False), "padded": (groups, True)}
     for micro, is_padded in layouts.values():  # warm-up (allocator, kernels) outside the timing
+        use_layout_attention(hf, is_padded)
         train_step(policy, opt, micro[:1], is_padded, algo, label_tokens, len(items), max_resp)
     times: dict[str, list[float]] = {"packed": [], "padded": []}
     for r in range(repeats):
         order = ["packed", "padded"] if r % 2 == 0 else ["padded", "packed"]
         for layout in order:
             micro, is_padded = layouts[layout]
+            use_layout_attention(hf, is_padded)
             t0 = time.perf_counter()
             train_step(policy, opt, micro, is_padded, algo, label_tokens, len(items), max_resp)
             times[layout].append(time.perf_counter() - t0)
@@ -144,6 +152,7 @@ def bench_model(
     profiles = {}
     if profile and median(ratios) < TARGET:
         for layout, (micro, is_padded) in layouts.items():
+            use_layout_attention(hf, is_padded)
             profiles[layout] = profile_top(policy, opt, micro, is_padded, algo, label_tokens, len(items), max_resp)
     return {
         "budget": budget,
@@ -167,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, small batch, 1 repeat (smoke test)")
     ap.add_argument("--batch", type=int, default=128, help="sequences per optimizer step")
     ap.add_argument("--budgets", default="512,2048", help="comma list of micro-batch token budgets (both layouts); "
-                    "512 is train.pack_max_length's default")  # fmt: skip
+                    "2048 is train.pack_max_length's default")  # fmt: skip
     ap.add_argument("--models", default="tiny,8m", help=f"comma list of {sorted(MODELS)}")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)

