@@ -111,6 +111,18 @@ def iteration_step(session: RLSession, log: Log = print) -> dict[str, float]:
     return row
 
 
+def progress_line(row: dict[str, float], total: int) -> str:
+    """One log line per reported iteration (task logs, pod logs): where the run is and whether reward rises."""
+
+    def val(key: str, spec: str) -> str:
+        return format(row[key], spec) if key in row else "n/a"
+
+    return (
+        f"iteration {int(row.get('iteration', 0))}/{total} reward {val('reward_mean', '.3f')} "
+        f"pass@n {val('pass_at_n', '.3f')} loss {val('loss', '.4f')} entropy {val('rollout_entropy', '.3f')}"
+    )
+
+
 def run_segment(
     cfg: PipelineConfig,
     checkpoint: str | None,

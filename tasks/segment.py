@@ -25,6 +25,7 @@ env_defaults()
 
 SEGMENT_RETRIES = 3
 DECK_PUBLISH_EVERY_S = 60.0
+PROGRESS_EVERY = 10  # iterations between two progress lines in the task log
 
 
 class SegmentOut(NamedTuple):
@@ -52,6 +53,8 @@ def rl_segment(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint |
 
     def on_iteration(row: dict[str, float]) -> None:
         decks.add(row)
+        if int(row["iteration"]) % PROGRESS_EVERY == 0 or int(row["iteration"]) == target:
+            print(f"rl_segment: {pipeline.progress_line(row, user.iterations)}", flush=True)
 
     remaining = target - (origin.iteration if origin else 0)
     with retry_on_lost_workers("rl_segment"):
