@@ -7,7 +7,8 @@ is what Flyte adds: task (de)serialisation, FlyteDirectory copies of checkpoints
 `grpo_granular` (one task per phase per iteration, each a fresh Ray session) runs fewer iterations once; its
 overhead is reported per iteration against `rlpipe run`'s per-iteration wall time.
 
-Run: `.venv/bin/python bench/orchestration.py` (about 12 minutes on 2 cores; `--quick` for a smoke run).
+Run: `.venv/bin/python bench/orchestration.py` (about 20 minutes on 2 cores: 3 pairs of the README's 400-iteration
+run; `--iterations 60 --segment-size 20` for a shorter one, `--quick` for a smoke run).
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import median, table, verdict, write_section  # noqa: E402
 
+from rlpipe.config import PipelineConfig  # noqa: E402
+
 TARGET = 0.05  # grpo workflow wall time at most 5% above rlpipe run
+# The README's default run (400 iterations in segments of 100) unless told otherwise: the overhead users pay.
+DEFAULT_ITERATIONS = PipelineConfig.model_fields["iterations"].default
+DEFAULT_SEGMENT_SIZE = PipelineConfig.model_fields["segment_size"].default
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -77,8 +83,12 @@ def prebuild_base_model(root: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iterations", type=int, default=60, help="iterations of each rlpipe run / grpo run")
-    ap.add_argument("--segment-size", type=int, default=20, help="iterations per segment (Ray session)")
+    ap.add_argument(
+        "--iterations", type=int, default=DEFAULT_ITERATIONS, help="iterations of each run (default: the README run's)"
+    )
+    ap.add_argument(
+        "--segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, help="iterations per segment (Ray session)"
+    )
     ap.add_argument("--granular-iterations", type=int, default=4, help="iterations of the one grpo_granular run")
     ap.add_argument("--repeats", type=int, default=3, help="alternated rlpipe/grpo pairs (median reported)")
     ap.add_argument("--quick", action="store_true", help="4 iterations, 1 repeat, 1 granular iteration (smoke)")
