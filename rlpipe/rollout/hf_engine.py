@@ -1,7 +1,9 @@
 """Batched HF ``generate`` rollout engine (the default; runs wherever the policy weights live).
 
-Prompts are repeated ``n`` times, left-padded with an attention mask (positions then start at 0 for every row,
-as in training), and sampled with a KV cache. Logprobs come from the raw logits generate returns
+Prompts are left-padded with an attention mask (positions then start at 0 for every row, as in training) and
+sampled with a KV cache. The ``n`` samples of a prompt share its prefill: all but the last prompt token are run once
+per prompt, the cache is repeated ``n`` times, and ``generate`` continues from it (for short responses the prefill
+of ``n`` identical prompts was most of a rollout; the samples are the same, the logits equal to float rounding). Logprobs come from the raw logits generate returns
 (``output_logits=True``), so they are the untempered, unfiltered policy distribution the trainer scores.
 The model's own ``generation_config`` is ignored during rollout: transformers 5 would otherwise fill unset fields
 (repetition penalty, min_p, ...) from it and silently change the sampling distribution.
@@ -10,7 +12,7 @@ The model's own ``generation_config`` is ignored during rollout: transformers 5 
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from rlpipe.errors import ConfigError
 from rlpipe.rollout.engine import Generation, SamplingParams, truncate_at_stop
@@ -62,10 +64,14 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def _generate_batch(
-        self, rows: list[list[int]], gen_cfg: GenerationConfig
+        self, prompts: list[list[int]], n: int, gen_cfg: GenerationConfig
     ) -> tuple[list[list[int]], list[list[float]]]:
-        ids, mask = self._left_pad(rows)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+        """``n`` samples of each prompt, rows in (prompt, sample) order; the prompt prefill is shared by its samples."""
+        ids, mask = self._left_pad(prompts)
+        cache = self._prefill_prefix(ids, mask, n) if n > 1 and ids.shape[1] > 1 else None
+        ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+        extra = {"cache": cache} if cache is not None else {}
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
         new = out.sequences[:, ids.shape[1] :]  # [B, S]
         # Raw logits per step -> logprob of the sampled token, step by step (never [B, S, V] in fp32 at once).
         lps = torch.stack(
@@ -77,12 +83,27 @@ class HFRolloutEngine:
         )
         return new.cpu().tolist(), lps.cpu().tolist()
 
+    def _prefill_prefix(self, ids: torch.Tensor, mask: torch.Tensor, n: int) -> DynamicCache:
+        """KV cache of every prompt but its last token, computed once and repeated ``n`` times along the batch.
+
+        ``generate`` then feeds only the uncached last token; positions follow generate's own rule for left padding
+        (cumsum of the mask minus one, 1 on padding), so the cached keys equal those of an unshared prefill.
+        """
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], cache=cache,
+                   use_cache=True, logits_to_keep=1)  # fmt: skip
+        cache.batch_repeat_interleave(n)
+        return cache
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Sample ``params.n`` responses per prompt; same model, prompts, params and batch_size => same samples."""
         for i, p in enumerate(prompts):
             if not p:
                 raise ConfigError(f"rollout: prompt {i} is empty (a prompt needs at least one token, e.g. BOS)")
-        rows = [(pi, si) for pi in range(len(prompts)) for si in range(params.n)]
+        per_call = max(
+            1, self.batch_size // params.n
+        )  # prompts per generate call (batch_size rows, at least one group)
         gen_cfg = self._generation_config(params)
         stop_ids = set(gen_cfg.eos_token_id)
         model = self.model
@@ -99,9 +120,11 @@ class HFRolloutEngine:
             )
             with torch.random.fork_rng(devices=cuda_ids):
                 torch.manual_seed(params.seed)
-                for start in range(0, len(rows), self.batch_size):
-                    chunk = rows[start : start + self.batch_size]
-                    toks, lps = self._generate_batch([prompts[pi] for pi, _ in chunk], gen_cfg)
+                for start in range(0, len(prompts), per_call):
+                    chunk = [
+                        (pi, si) for pi in range(start, min(start + per_call, len(prompts))) for si in range(params.n)
+                    ]
+                    toks, lps = self._generate_batch(prompts[start : start + per_call], params.n, gen_cfg)
                     for (pi, si), t, lp in zip(chunk, toks, lps, strict=True):
                         resp, resp_lp, reason = truncate_at_stop(t, lp, stop_ids, self.eos_token_id)
                         results.append(Generation(pi, si, resp, resp_lp, reason))

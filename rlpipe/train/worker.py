@@ -29,7 +29,7 @@ from rlpipe.train.distributed import all_reduce_sum, backend_for, free_port, ini
 from rlpipe.train.metrics import FitMetrics, SFTMetrics, TrainStepMetrics
 from rlpipe.train.objective import BatchStats, StepSums, batch_statistics, rl_microbatch_loss, sft_microbatch_loss
 from rlpipe.train.optim import build_optimizer, set_lr
-from rlpipe.train.policy import PolicyModel, copy_weights_into, full_hf_state_dict, shard_policy
+from rlpipe.train.policy import PolicyModel, copy_policy_into, copy_weights_into, full_hf_state_dict, shard_policy
 
 
 class TrainingWorker:
@@ -100,12 +100,11 @@ class TrainingWorker:
         return engine.generate(prompts, params)
 
     def _sync_rollout_weights(self) -> None:
-        state = full_hf_state_dict(self.policy)
         if self.rollout_model is None:
             self.rollout_model = load_model(self.model_dir, self.cfg.model.dtype, str(self.device),
                                             self.cfg.model.trust_remote_code, self.cfg.model.attn_implementation)  # fmt: skip
             self.rollout_model.eval().requires_grad_(False)
-        copy_weights_into(self.rollout_model, state)
+        copy_policy_into(self.policy, self.rollout_model)
         self._rollout_stale = False
 
     # ----------------------------------------------------------------- logprobs

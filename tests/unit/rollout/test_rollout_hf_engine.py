@@ -166,3 +166,22 @@ def test_bad_inputs(model, tok):
         _engine(model, tok).generate([[]], SamplingParams(n=1))
     with pytest.raises(ConfigError):
         HFRolloutEngine(model, 0, 2, batch_size=0)
+
+
+def test_shared_prompt_prefill_samples_like_one_row_per_sample(model, tok, prompts):
+    """n samples of a prompt share one prefill; the result equals prefilling every sample's row on its own."""
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=7)
+    shared = _engine(model, tok, batch_size=12).generate(prompts, params)
+    rows = [p for p in prompts for _ in range(4)]
+    single = _engine(model, tok, batch_size=12).generate(rows, SamplingParams(n=1, temperature=1.0, max_new_tokens=6,
+                                                                              seed=7))  # fmt: skip
+    assert [g.response_ids for g in shared] == [g.response_ids for g in single]
+    for a, b in zip(shared, single, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+    assert [(g.prompt_index, g.sample_index) for g in shared] == [(p, s) for p in range(3) for s in range(4)]
+
+
+def test_group_larger_than_batch_size_is_one_call(model, tok, prompts):
+    """batch_size below n still samples whole groups (one prompt per call)."""
+    gens = _engine(model, tok, batch_size=2).generate(prompts, SamplingParams(n=5, max_new_tokens=3, seed=1))
+    assert len(gens) == 15 and [g.sample_index for g in gens[:5]] == [0, 1, 2, 3, 4]
