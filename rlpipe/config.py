@@ -153,6 +153,11 @@ class TrainConfig(_Strict):
         description="With model.attn_implementation='sdpa', score packs with rlpipe's per-sequence sdpa "
         "(rlpipe.models.packed_attention) instead of a dense L x L block mask; generation always uses sdpa.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="Compute a prompt once for all its samples in a pack (rlpipe.data.packing: shared-prompt units; "
+        "same logprobs and gradients). Needs the packed attention (packed_attention with sdpa); otherwise off.",
+    )
     pack_max_length: int = Field(
         2048, ge=8, description="Token budget of one packed micro-batch (2048: fastest measured for the tiny default)."
     )

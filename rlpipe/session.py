@@ -24,6 +24,7 @@ from rlpipe.data.sft import SFTDataset, load_sft_dataset, sft_sequence_items
 from rlpipe.data.tasks import write_task_dataset
 from rlpipe.errors import CheckpointError, ConfigError
 from rlpipe.models.loading import load_tokenizer
+from rlpipe.models.packed_attention import PACKED_SDPA, scoring_attention
 from rlpipe.rollout.batch import batch_to_items, build_rollout_batch, score_generations
 from rlpipe.rollout.engine import SamplingParams
 from rlpipe.rollout.judges import get_judge
@@ -129,6 +130,15 @@ class RLSession:
             self.tokenizer.pad_token_id,
             self.cfg.dp_size,
             pad_to_max_length=False,
+            share_prompts=self.share_prompts,
+        )
+
+    @property
+    def share_prompts(self) -> bool:
+        """Shared-prompt packs need the per-sequence packed attention (the only backend that reads `prefix_of`)."""
+        t = self.cfg.train
+        return (
+            t.share_prompts and scoring_attention(self.cfg.model.attn_implementation, t.packed_attention) == PACKED_SDPA
         )
 
     # ------------------------------------------------------------------ phases

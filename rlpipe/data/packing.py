@@ -10,6 +10,15 @@ Inside a pack, sequences keep their placement order. Packs are padded to ``pack_
 shapes); the padding is its own segment in ``cu_seq_lens`` so no real token attends to it. Dummy packs (all padding,
 labels all ``-100``) make the pack count a multiple of ``dp_size`` so every data-parallel rank runs the same number of
 micro-batches.
+
+Prompt sharing (``share_prompts=True``): the ``n`` samples of a GRPO group repeat one prompt, and for short responses
+the prompt is most of every sequence. Consecutive items with the same prompt (at least two tokens) are then laid out
+as one *unit*: a shared segment holding ``prompt[:-1]`` (positions ``0..P-2``, no labels, ``seq_index`` =
+``SHARED_PREFIX``), then one segment per sample holding ``prompt[-1] + response`` (positions ``P-1..``), whose
+``prefix_of`` entry names the shared segment. Every label sits at the same position (and sees the same keys, through
+``rlpipe.models.packed_attention``) as in the unshared layout, so logprobs, losses and gradients are the same; the
+prompt is computed once per unit instead of once per sample. Units are packed first-fit-decreasing like sequences;
+a unit longer than ``pack_max_length`` is split into several (each with its own copy of the prefix).
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import torch
 from rlpipe.errors import DataError
 
 IGNORE_INDEX = -100
+PADDING = -1  # seq_index of padding positions
+SHARED_PREFIX = -2  # seq_index of a shared prompt segment (it belongs to several rows)
 
 
 @dataclass
@@ -44,12 +55,13 @@ class Pack:
     """A packed row; all tensors are 1-D of length L (L <= pack_max_length) except ``cu_seq_lens``."""
 
     input_ids: torch.Tensor  # int64 [L]
-    position_ids: torch.Tensor  # int64 [L], restarts at 0 for every segment
+    position_ids: torch.Tensor  # int64 [L], restarts at 0 for every segment (a shared prompt's samples at P-1)
     cu_seq_lens: torch.Tensor  # int32 [num_segments + 1], segment boundaries incl. a trailing padding segment
     shifted_labels: torch.Tensor  # int64 [L], -100 on prompt, padding and the last token of each sequence
     advantages: torch.Tensor  # float32 [L], aligned to labels
     rollout_logprobs: torch.Tensor | None  # float32 [L], aligned to labels
-    seq_index: torch.Tensor  # int64 [L], row of the source sequence per position, -1 on padding
+    seq_index: torch.Tensor  # int64 [L], row of the source sequence per position, -1 on padding, -2 shared prompt
+    prefix_of: torch.Tensor | None = None  # int64 [num_segments]: segment holding this one's shared prompt, or -1
 
     @property
     def length(self) -> int:
@@ -58,8 +70,22 @@ class Pack:
 
     @property
     def num_tokens(self) -> int:
-        """Real (non-padding) tokens."""
-        return int((self.seq_index >= 0).sum())
+        """Real (non-padding) positions: what the forward computes (a shared prompt counts once)."""
+        return int((self.seq_index != PADDING).sum())
+
+    @property
+    def num_sequence_tokens(self) -> int:
+        """Prompt + response tokens of the sequences in the pack, a shared prompt counted once per sequence: the
+        work the pack stands for, the same for the shared and the unshared layout (throughput and token counters)."""
+        return sum(n + prefix for n, prefix, owner in self._segments() if owner >= 0)
+
+    def _segments(self) -> list[tuple[int, int, int]]:
+        """(length, shared-prompt length or 0, owner) of every segment; owner is a row, PADDING or SHARED_PREFIX."""
+        bounds = self.cu_seq_lens.tolist()
+        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+        owners = [int(self.seq_index[start]) if start < self.length else PADDING for start in bounds[:-1]]
+        prefix = self.prefix_of.tolist() if self.prefix_of is not None else [-1] * len(lengths)
+        return [(n, lengths[p] if p >= 0 else 0, o) for n, p, o in zip(lengths, prefix, owners, strict=True)]
 
     @property
     def num_label_tokens(self) -> int:
@@ -68,23 +94,25 @@ class Pack:
 
     @property
     def num_sequences(self) -> int:
-        """Real sequences in the pack (the padding segment is not counted)."""
+        """Real sequences in the pack (padding and shared-prompt segments are not counted)."""
         return len(self.sequence_lengths())
 
     def sequence_lengths(self) -> list[int]:
-        """Length of every real segment, in pack order."""
-        bounds = self.cu_seq_lens.tolist()
-        return [
-            end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True) if int(self.seq_index[start]) >= 0
-        ]
+        """Length of every segment that belongs to one row (not padding, not a shared prompt), in pack order."""
+        return [n for n, _, owner in self._segments() if owner >= 0]
+
+    @property
+    def attention_work(self) -> int:
+        """Σ over real segments of queries x keys (a shared prompt's keys count for each segment that reads them)."""
+        return sum(n * (n + prefix) for n, prefix, owner in self._segments() if owner != PADDING)
 
     @property
     def efficient_attn_ratio(self) -> float:
-        """Σ seq_len² / L²: causal attention work over the real sequences (block-diagonal, as varlen attention
-        computes it) relative to one dense L×L attention over the whole row. Small means packing saves attention
-        compute versus treating the row as one sequence; a dummy pack gives 0."""
+        """Σ seq_len² / L² (``attention_work`` / L²): attention work over the real sequences (block-diagonal, as
+        varlen attention computes it) relative to one dense L×L attention over the whole row. Small means packing
+        saves attention compute versus treating the row as one sequence; a dummy pack gives 0."""
         total = self.length**2
-        return float(sum(n * n for n in self.sequence_lengths()) / total) if total else 0.0
+        return float(self.attention_work / total) if total else 0.0
 
     def to(self, device: torch.device | str) -> Pack:
         """A copy with every tensor moved to ``device``."""
@@ -93,8 +121,8 @@ class Pack:
 
 
 def efficient_attn_ratio(packs: Sequence[Pack]) -> float:
-    """Batch-level ratio: Σ over packs of Σ seq_len² divided by Σ L² (the per-pack definition, pooled)."""
-    num = sum(sum(n * n for n in p.sequence_lengths()) for p in packs)
+    """Batch-level ratio: Σ over packs of ``attention_work`` divided by Σ L² (the per-pack definition, pooled)."""
+    num = sum(p.attention_work for p in packs)
     den = sum(p.length**2 for p in packs)
     return float(num / den) if den else 0.0
 
@@ -136,42 +164,105 @@ def _validate(items: Sequence[SequenceItem], max_length: int | None) -> bool:
     return bool(items) and all(with_lp)
 
 
-def _build_pack(items: Sequence[SequenceItem], length: int, pad_token_id: int, with_logprobs: bool) -> Pack:
-    """Lay out ``items`` back to back, then one padding segment up to ``length`` if room is left."""
-    input_ids = torch.full((length,), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros(length, dtype=torch.long)
-    labels = torch.full((length,), IGNORE_INDEX, dtype=torch.long)
-    advantages = torch.zeros(length, dtype=torch.float32)
-    logprobs = torch.zeros(length, dtype=torch.float32) if with_logprobs else None
-    seq_index = torch.full((length,), -1, dtype=torch.long)
-    bounds = [0]
-    offset = 0
+@dataclass
+class _Unit:
+    """Items packed together: one item, or several samples of one prompt sharing its first P-1 tokens."""
+
+    items: list[SequenceItem]
+    shared: bool
+
+    @property
+    def length(self) -> int:
+        if not self.shared:
+            return self.items[0].length
+        return len(self.items[0].prompt_ids) - 1 + sum(1 + len(it.response_ids) for it in self.items)
+
+
+def _units(items: Sequence[SequenceItem], max_length: int, share_prompts: bool) -> list[_Unit]:
+    """Group consecutive items with the same prompt (>= 2 tokens) into shared units of at most ``max_length``."""
+    if not share_prompts:
+        return [_Unit([it], False) for it in items]
+    units: list[_Unit] = []
+    group: list[SequenceItem] = []
+
+    def close() -> None:
+        units.append(_Unit(list(group), len(group) > 1))
+        group.clear()
+
     for it in items:
-        p, r = len(it.prompt_ids), len(it.response_ids)
-        t = p + r
-        input_ids[offset : offset + t] = torch.tensor(list(it.prompt_ids) + list(it.response_ids), dtype=torch.long)
-        position_ids[offset : offset + t] = torch.arange(t)
-        seq_index[offset : offset + t] = it.row
+        same = group and list(it.prompt_ids) == list(group[0].prompt_ids) and len(it.prompt_ids) > 1
+        if group and not (same and _Unit(group + [it], True).length <= max_length):
+            close()
+        group.append(it)
+    if group:
+        close()
+    return units
+
+
+def _build_pack(units: Sequence[_Unit], length: int, pad_token_id: int, with_logprobs: bool) -> Pack:
+    """Lay out ``units`` back to back, then one padding segment up to ``length`` if room is left."""
+    layout = _Layout(length, pad_token_id, with_logprobs)
+    for unit in units:
+        if unit.shared:
+            prompt = list(unit.items[0].prompt_ids)
+            prefix = layout.add_segment(prompt[:-1], 0, SHARED_PREFIX)
+            for it in unit.items:
+                layout.add_segment(prompt[-1:] + list(it.response_ids), len(prompt) - 1, it.row, it, 1, prefix)
+        else:
+            it = unit.items[0]
+            layout.add_segment(list(it.prompt_ids) + list(it.response_ids), 0, it.row, it, len(it.prompt_ids))
+    return layout.finish()
+
+
+class _Layout:
+    """Writes segments into the pack tensors left to right."""
+
+    def __init__(self, length: int, pad_token_id: int, with_logprobs: bool):
+        self.input_ids = torch.full((length,), pad_token_id, dtype=torch.long)
+        self.position_ids = torch.zeros(length, dtype=torch.long)
+        self.labels = torch.full((length,), IGNORE_INDEX, dtype=torch.long)
+        self.advantages = torch.zeros(length, dtype=torch.float32)
+        self.logprobs = torch.zeros(length, dtype=torch.float32) if with_logprobs else None
+        self.seq_index = torch.full((length,), PADDING, dtype=torch.long)
+        self.bounds, self.prefix_of, self.offset, self.length = [0], [], 0, length
+
+    def add_segment(
+        self, tokens: list[int], first_position: int, owner: int, item: SequenceItem | None = None,
+        prompt_tokens: int = 0, prefix: int = -1,
+    ) -> int:  # fmt: skip
+        """Write one segment; ``item``'s response labels start at its ``prompt_tokens``-th token. Returns its index."""
+        lo, t = self.offset, len(tokens)
+        self.input_ids[lo : lo + t] = torch.tensor(tokens, dtype=torch.long)
+        self.position_ids[lo : lo + t] = torch.arange(first_position, first_position + t)
+        self.seq_index[lo : lo + t] = owner
+        r = len(item.response_ids) if item is not None else 0
         if r:
-            lo = offset + p - 1  # response token j is scored at position P-1+j
-            labels[lo : lo + r] = torch.tensor(list(it.response_ids), dtype=torch.long)
-            advantages[lo : lo + r] = float(it.advantage)
-            if logprobs is not None:
-                logprobs[lo : lo + r] = torch.tensor(list(it.rollout_logprobs or []), dtype=torch.float32)
-        offset += t
-        bounds.append(offset)
-    if offset < length:
-        position_ids[offset:] = torch.arange(length - offset)
-        bounds.append(length)
-    return Pack(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        cu_seq_lens=torch.tensor(bounds, dtype=torch.int32),
-        shifted_labels=labels,
-        advantages=advantages,
-        rollout_logprobs=logprobs,
-        seq_index=seq_index,
-    )
+            at = lo + prompt_tokens - 1  # response token j is scored at the position of the token before it
+            self.labels[at : at + r] = torch.tensor(list(item.response_ids), dtype=torch.long)
+            self.advantages[at : at + r] = float(item.advantage)
+            if self.logprobs is not None:
+                self.logprobs[at : at + r] = torch.tensor(list(item.rollout_logprobs or []), dtype=torch.float32)
+        self.offset += t
+        self.bounds.append(self.offset)
+        self.prefix_of.append(prefix)
+        return len(self.prefix_of) - 1
+
+    def finish(self) -> Pack:
+        if self.offset < self.length:
+            self.position_ids[self.offset :] = torch.arange(self.length - self.offset)
+            self.bounds.append(self.length)
+            self.prefix_of.append(-1)
+        shared = any(p >= 0 for p in self.prefix_of)
+        return Pack(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            cu_seq_lens=torch.tensor(self.bounds, dtype=torch.int32),
+            shifted_labels=self.labels,
+            advantages=self.advantages,
+            rollout_logprobs=self.logprobs,
+            seq_index=self.seq_index,
+            prefix_of=torch.tensor(self.prefix_of, dtype=torch.long) if shared else None,
+        )
 
 
 def _pad_count(packs: list[Pack], dp_size: int, length: int, pad_token_id: int, with_logprobs: bool) -> list[Pack]:
@@ -189,10 +280,13 @@ def pack_sequences(
     dp_size: int = 1,
     *,
     pad_to_max_length: bool = True,
+    share_prompts: bool = False,
 ) -> list[Pack]:
     """Greedy first-fit-decreasing packing; see the module docstring.
 
     With ``pad_to_max_length=False`` every pack is exactly as long as its sequences (dummy packs are one token).
+    With ``share_prompts=True`` consecutive samples of one prompt share its computation (module docstring); the
+    model must then score packs with ``rlpipe.models.packed_attention`` (which reads ``Pack.prefix_of``).
     The number of packs is a multiple of ``dp_size`` (no items give no packs).
     A sequence longer than ``pack_max_length`` raises DataError naming its row.
     """
@@ -201,18 +295,19 @@ def pack_sequences(
     if dp_size <= 0:
         raise DataError(f"dp_size must be positive, got {dp_size}", field="dp_size")
     with_lp = _validate(items, pack_max_length)
-    order = sorted(range(len(items)), key=lambda i: -items[i].length)  # stable: ties keep input order
-    bins: list[list[SequenceItem]] = []
+    units = _units(items, pack_max_length, share_prompts)
+    order = sorted(range(len(units)), key=lambda i: -units[i].length)  # stable: ties keep input order
+    bins: list[list[_Unit]] = []
     room: list[int] = []
     for i in order:
-        n = items[i].length
+        n = units[i].length
         for b, free in enumerate(room):
             if n <= free:
-                bins[b].append(items[i])
+                bins[b].append(units[i])
                 room[b] -= n
                 break
         else:
-            bins.append([items[i]])
+            bins.append([units[i]])
             room.append(pack_max_length - n)
     packs = [
         _build_pack(b, pack_max_length if pad_to_max_length else pack_max_length - free, pad_token_id, with_lp)
@@ -231,7 +326,7 @@ def pad_sequences(
     """
     with_lp = _validate(items, max_length)
     longest = max((it.length for it in items), default=1)
-    packs = [_build_pack([it], longest, pad_token_id, with_lp) for it in items]
+    packs = [_build_pack([_Unit([it], False)], longest, pad_token_id, with_lp) for it in items]
     return _pad_count(packs, dp_size, longest, pad_token_id, with_lp)
 
 
@@ -248,12 +343,15 @@ def pad_pack_to_length(pack: Pack, length: int, pad_token_id: int) -> Pack:
         return torch.cat([t, torch.full((extra,), fill, dtype=t.dtype)])
 
     bounds = pack.cu_seq_lens.tolist()
-    if int(pack.seq_index[-1]) < 0:  # already ends in a padding segment: widen it
+    prefix_of = pack.prefix_of
+    if int(pack.seq_index[-1]) == PADDING:  # already ends in a padding segment: widen it
         bounds[-1] = length
         positions = torch.cat([pack.position_ids, pack.position_ids[-1] + 1 + torch.arange(extra)])
     else:
         bounds.append(length)
         positions = torch.cat([pack.position_ids, torch.arange(extra)])
+        if prefix_of is not None:
+            prefix_of = torch.cat([prefix_of, prefix_of.new_full((1,), -1)])
     return Pack(
         input_ids=grow(pack.input_ids, pad_token_id),
         position_ids=positions,
@@ -261,7 +359,8 @@ def pad_pack_to_length(pack: Pack, length: int, pad_token_id: int) -> Pack:
         shifted_labels=grow(pack.shifted_labels, IGNORE_INDEX),
         advantages=grow(pack.advantages, 0.0),
         rollout_logprobs=None if pack.rollout_logprobs is None else grow(pack.rollout_logprobs, 0.0),
-        seq_index=grow(pack.seq_index, -1),
+        seq_index=grow(pack.seq_index, PADDING),
+        prefix_of=prefix_of,
     )
 
 

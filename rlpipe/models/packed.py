@@ -20,14 +20,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlpipe.errors import DataError
-from rlpipe.models.packed_attention import PACKED_SDPA
+from rlpipe.models.packed_attention import PACKED_SDPA, PREFIX_OF_KWARG
 
 if TYPE_CHECKING:
     from rlpipe.data.packing import Pack
 
 
-def expected_position_ids(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
-    """Position ids that restart at 0 at every boundary of ``cu_seq_lens`` (``[num_segments + 1]``)."""
+def expected_position_ids(
+    cu_seq_lens: torch.Tensor, length: int, prefix_of: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Position ids that restart at every boundary of ``cu_seq_lens`` (``[num_segments + 1]``): at 0, or after the
+    shared prompt named by ``prefix_of`` (``[num_segments]``, -1 = none)."""
     cu = cu_seq_lens.to(torch.long).cpu()
     lengths = cu[1:] - cu[:-1]
     if cu[0].item() != 0 or cu[-1].item() != length or (lengths < 0).any():
@@ -35,18 +38,30 @@ def expected_position_ids(cu_seq_lens: torch.Tensor, length: int) -> torch.Tenso
             f"cu_seq_lens {cu.tolist()} must start at 0, be non-decreasing and end at the pack length {length}",
             field="cu_seq_lens",
         )
-    starts = torch.repeat_interleave(cu[:-1], lengths)
+    first = torch.zeros_like(lengths)
+    if prefix_of is not None:
+        source = prefix_of.to(torch.long).cpu()
+        if source.numel() != lengths.numel() or (source >= torch.arange(source.numel())).any():
+            raise DataError(
+                f"prefix_of {source.tolist()} must name an earlier segment (or -1) for each of {lengths.numel()}",
+                field="prefix_of",
+            )
+        first = torch.where(source >= 0, lengths[source.clamp(min=0)], first)
+    starts = torch.repeat_interleave(cu[:-1] - first, lengths)
     return torch.arange(length, dtype=torch.long) - starts
 
 
-def check_packed_positions(position_ids: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
-    """Raise DataError unless ``position_ids`` restart at 0 exactly at the ``cu_seq_lens`` boundaries.
+def check_packed_positions(
+    position_ids: torch.Tensor, cu_seq_lens: torch.Tensor, prefix_of: torch.Tensor | None = None
+) -> None:
+    """Raise DataError unless ``position_ids`` restart exactly at the ``cu_seq_lens`` boundaries (at 0, or after
+    the segment's shared prompt).
 
     Why: transformers infers sequence boundaries from position ids; a mismatch would silently let tokens attend
     across sequences.
     """
     pos = position_ids.reshape(-1)
-    expected = expected_position_ids(cu_seq_lens, pos.numel())
+    expected = expected_position_ids(cu_seq_lens, pos.numel(), prefix_of)
     if not torch.equal(pos.cpu().to(torch.long), expected):
         bad = int((pos.cpu().to(torch.long) != expected).nonzero()[0].item())
         raise DataError(
@@ -62,10 +77,12 @@ def packed_hidden_states(
     position_ids: torch.Tensor,
     cu_seq_lens: torch.Tensor,
     check: bool = True,
+    prefix_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Final hidden states ``[L, H]`` of a packed row (1-D ``input_ids``/``position_ids`` of length L).
 
-    ``check=False`` skips the boundary check (a host sync) when the caller built the pack itself.
+    ``check=False`` skips the boundary check (a host sync) when the caller built the pack itself. ``prefix_of``
+    (shared prompts, see ``rlpipe.data.packing``) needs the ``PACKED_SDPA`` attention.
     """
     if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
         raise DataError(
@@ -74,13 +91,22 @@ def packed_hidden_states(
             field="input_ids",
         )
     if check:
-        check_packed_positions(position_ids, cu_seq_lens)
+        check_packed_positions(position_ids, cu_seq_lens, prefix_of)
     backbone = model.get_decoder()
     varlen = {}
-    if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA:  # per-sequence attention, no L x L mask
+    packed_sdpa = getattr(model.config, "_attn_implementation", None) == PACKED_SDPA
+    if prefix_of is not None and not packed_sdpa:
+        raise DataError(
+            f"shared-prompt packs need attn_implementation {PACKED_SDPA!r} (train.packed_attention with sdpa); this "
+            f"model uses {getattr(model.config, '_attn_implementation', None)!r}: pack with share_prompts=False",
+            field="prefix_of",
+        )
+    if packed_sdpa:  # per-sequence attention, no L x L mask
         max_len = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if cu_seq_lens.numel() > 1 else 0
         varlen = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max_len,
                   "max_length_k": max_len}  # fmt: skip
+        if prefix_of is not None:
+            varlen[PREFIX_OF_KWARG] = prefix_of
     out = backbone(
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
@@ -106,6 +132,7 @@ def token_logprobs(
     cu_seq_lens: torch.Tensor | None = None,
     shifted_labels: torch.Tensor | None = None,
     chunk_size: int = 1024,
+    prefix_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logprob of ``shifted_labels[t]`` at every position ``t`` (``[L]``, 0 where the label is -100).
 
@@ -115,11 +142,11 @@ def token_logprobs(
     if not isinstance(input_ids, torch.Tensor):
         pack = input_ids
         input_ids, position_ids = pack.input_ids, pack.position_ids
-        cu_seq_lens, shifted_labels = pack.cu_seq_lens, pack.shifted_labels
+        cu_seq_lens, shifted_labels, prefix_of = pack.cu_seq_lens, pack.shifted_labels, pack.prefix_of
     if position_ids is None or cu_seq_lens is None or shifted_labels is None:
         raise TypeError("token_logprobs needs a Pack or input_ids, position_ids, cu_seq_lens and shifted_labels")
     # Imported here: rlpipe.algos is a sibling package and must stay importable without models.
     from rlpipe.algos.logprobs import chunked_logprobs
 
-    hidden = packed_hidden_states(model, input_ids, position_ids, cu_seq_lens)
+    hidden = packed_hidden_states(model, input_ids, position_ids, cu_seq_lens, prefix_of=prefix_of)
     return chunked_logprobs(hidden, lm_head_weight(model), shifted_labels.to(hidden.device), chunk_size)

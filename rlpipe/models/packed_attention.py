@@ -9,6 +9,12 @@ valid rows back. Padding sits at the end of each row, so causal attention never 
 queries are dropped, so no gradient flows through them. The result equals block-diagonal attention exactly
 (up to float summation order).
 
+Shared prompts (``rlpipe.data.packing``, ``share_prompts=True``): a segment whose ``prefix_of`` entry (forward kwarg
+``PREFIX_OF_KWARG``) names another segment also attends to all of that segment's keys, as if they preceded it. Its
+row then holds ``[prefix keys | own keys]`` with an explicit mask (all valid prefix keys, causal own keys); a query
+always sees its own first key, so no row is fully masked. Gradients reach the prefix keys and values from every
+segment that reads them, which is what the unshared layout computes separately for each sample.
+
 Registered with transformers as ``PACKED_SDPA``; because that name has no mask function, transformers builds no
 mask at all for it. It needs ``cu_seq_lens_q`` in the forward kwargs (``rlpipe.models.packed`` passes it) and is
 only for scoring packs: generation keeps the stock backend (it needs the KV cache and left-padding masks).
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 PACKED_SDPA = "rlpipe_packed_sdpa"
+PREFIX_OF_KWARG = "rlpipe_prefix_of"  # forward kwarg: per segment, the index of its shared-prompt segment or -1
 
 
 def scoring_attention(attn_implementation: str, packed_attention: bool = True) -> str:
@@ -57,20 +64,45 @@ def packed_sdpa_attention(
         )
     if attention_mask is not None:
         raise RuntimeError(f"{PACKED_SDPA} derives the mask from cu_seq_lens_q; got an explicit attention_mask")
+    cu = cu.to(query.device)
     max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
-    index, valid = pack_gather_index(cu.to(query.device), int(max_len))
+    index, valid = pack_gather_index(cu, int(max_len))
     groups = query.shape[1] // key.shape[1]
 
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [1, h, L, D] -> [S, h, max_len, D]
-        return x[0][:, index].permute(1, 0, 2, 3)
+    def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # [1, h, L, D] -> [S, h, len, D]
+        return x[0][:, idx].permute(1, 0, 2, 3)
 
-    q, k, v = gather(query), gather(key), gather(value)
+    q, k, v = gather(query, index), gather(key, index), gather(value, index)
+    prefix_of = kwargs.get(PREFIX_OF_KWARG)
+    mask = None
+    if prefix_of is not None:
+        p_index, p_valid = _prefix_gather_index(cu, prefix_of.to(query.device))
+        k = torch.cat([gather(key, p_index), k], dim=2)
+        v = torch.cat([gather(value, p_index), v], dim=2)
+        causal = torch.ones(max_len, max_len, dtype=torch.bool, device=query.device).tril()
+        mask = torch.cat(
+            [p_valid[:, None, None, :].expand(-1, 1, max_len, -1), causal.expand(len(p_valid), 1, -1, -1)], dim=-1
+        )  # [S, 1, max_len, P + max_len]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling
+        q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, is_causal=mask is None, scale=scaling
     )  # [S, H, max_len, D]
     return out.transpose(1, 2)[valid].unsqueeze(0), None  # valid rows in pack order: [1, L, H, D]
+
+
+def _prefix_gather_index(cu: torch.Tensor, prefix_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index ``[S, P]`` of each segment's shared-prompt tokens, validity ``[S, P]``); P is the longest prefix."""
+    cu = cu.to(torch.long)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    has = prefix_of >= 0
+    source = prefix_of.clamp(min=0)
+    prefix_len = torch.where(has, lengths[source], torch.zeros_like(lengths))
+    longest = int(prefix_len.max()) if prefix_len.numel() else 0
+    offsets = torch.arange(longest, device=cu.device)
+    valid = offsets[None, :] < prefix_len[:, None]
+    index = (starts[source][:, None] + offsets[None, :]).clamp(max=max(int(cu[-1]) - 1, 0))
+    return index, valid
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)

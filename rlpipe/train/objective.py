@@ -46,11 +46,11 @@ def batch_statistics(
     sums = torch.zeros(7, dtype=torch.float64, device=device)
     for p, lp, m in zip(packs, old, masks, strict=True):
         sums[0] += m.sum()
-        sums[1] += p.num_tokens
+        sums[1] += p.num_sequence_tokens
         sums[2] += sampled_token_entropy_sum(lp, m).double()
         if has_rollout:
             sums[3] += sampled_token_entropy_sum(p.rollout_logprobs, m).double()
-        sums[5] += sum(n * n for n in p.sequence_lengths())
+        sums[5] += p.attention_work
         sums[6] += p.length**2
     if ref is not None:
         for lp, rp, m in zip(old, ref, masks, strict=True):

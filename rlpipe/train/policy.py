@@ -28,12 +28,13 @@ class PolicyModel(nn.Module):
         position_ids: torch.Tensor,
         cu_seq_lens: torch.Tensor,
         shifted_labels: torch.Tensor,
+        prefix_of: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size)
+        out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size, prefix_of)
         return out.clone()  # FSDP2 warns about (and mishandles in-place ops on) a view returned from forward
 
     def logprobs(self, pack: Pack) -> torch.Tensor:
-        return self(pack.input_ids, pack.position_ids, pack.cu_seq_lens, pack.shifted_labels)
+        return self(pack.input_ids, pack.position_ids, pack.cu_seq_lens, pack.shifted_labels, pack.prefix_of)
 
 
 def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:

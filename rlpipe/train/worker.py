@@ -276,7 +276,7 @@ class TrainingWorker:
             (loss * self._grad_scale()).backward()
             loss_sum += loss.detach()
         grad_norm, skipped = self._clip_and_step()
-        real = torch.tensor([sum(p.num_tokens for p in packs)], dtype=torch.float64, device=self.device)
+        real = torch.tensor([sum(p.num_sequence_tokens for p in packs)], dtype=torch.float64, device=self.device)
         attn = torch.tensor([sum(p.efficient_attn_ratio * p.length**2 for p in packs),
                              sum(p.length**2 for p in packs)], dtype=torch.float64, device=self.device)  # fmt: skip
         all_reduce_sum(loss_sum)
