@@ -184,18 +184,19 @@ def _units(items: Sequence[SequenceItem], max_length: int, share_prompts: bool) 
         return [_Unit([it], False) for it in items]
     units: list[_Unit] = []
     group: list[SequenceItem] = []
-
-    def close() -> None:
-        units.append(_Unit(list(group), len(group) > 1))
-        group.clear()
+    shared_length = 0  # length of `group` laid out as a shared unit
 
     for it in items:
         same = group and list(it.prompt_ids) == list(group[0].prompt_ids) and len(it.prompt_ids) > 1
-        if group and not (same and _Unit(group + [it], True).length <= max_length):
-            close()
+        if group and not (same and shared_length + 1 + len(it.response_ids) <= max_length):
+            units.append(_Unit(group, len(group) > 1))
+            group = []
+        if not group:
+            shared_length = len(it.prompt_ids) - 1
         group.append(it)
+        shared_length += 1 + len(it.response_ids)
     if group:
-        close()
+        units.append(_Unit(group, len(group) > 1))
     return units
 
 
@@ -215,52 +216,52 @@ def _build_pack(units: Sequence[_Unit], length: int, pad_token_id: int, with_log
 
 
 class _Layout:
-    """Writes segments into the pack tensors left to right."""
+    """Writes segments into the pack left to right (Python lists, one tensor per field at the end: the packer runs
+    on the driver every iteration, and per-segment tensor slicing cost more than the packing itself)."""
 
     def __init__(self, length: int, pad_token_id: int, with_logprobs: bool):
-        self.input_ids = torch.full((length,), pad_token_id, dtype=torch.long)
-        self.position_ids = torch.zeros(length, dtype=torch.long)
-        self.labels = torch.full((length,), IGNORE_INDEX, dtype=torch.long)
-        self.advantages = torch.zeros(length, dtype=torch.float32)
-        self.logprobs = torch.zeros(length, dtype=torch.float32) if with_logprobs else None
-        self.seq_index = torch.full((length,), PADDING, dtype=torch.long)
-        self.bounds, self.prefix_of, self.offset, self.length = [0], [], 0, length
+        self.length, self.pad_token_id, self.with_logprobs = length, pad_token_id, with_logprobs
+        self.input_ids: list[int] = []
+        self.position_ids: list[int] = []
+        self.labels: list[int] = []
+        self.advantages: list[float] = []
+        self.logprobs: list[float] = []
+        self.seq_index: list[int] = []
+        self.bounds, self.prefix_of = [0], []
 
     def add_segment(
         self, tokens: list[int], first_position: int, owner: int, item: SequenceItem | None = None,
         prompt_tokens: int = 0, prefix: int = -1,
     ) -> int:  # fmt: skip
         """Write one segment; ``item``'s response labels start at its ``prompt_tokens``-th token. Returns its index."""
-        lo, t = self.offset, len(tokens)
-        self.input_ids[lo : lo + t] = torch.tensor(tokens, dtype=torch.long)
-        self.position_ids[lo : lo + t] = torch.arange(first_position, first_position + t)
-        self.seq_index[lo : lo + t] = owner
+        t = len(tokens)
+        self.input_ids += tokens
+        self.position_ids += range(first_position, first_position + t)
+        self.seq_index += [owner] * t
         r = len(item.response_ids) if item is not None else 0
-        if r:
-            at = lo + prompt_tokens - 1  # response token j is scored at the position of the token before it
-            self.labels[at : at + r] = torch.tensor(list(item.response_ids), dtype=torch.long)
-            self.advantages[at : at + r] = float(item.advantage)
-            if self.logprobs is not None:
-                self.logprobs[at : at + r] = torch.tensor(list(item.rollout_logprobs or []), dtype=torch.float32)
-        self.offset += t
-        self.bounds.append(self.offset)
+        before = prompt_tokens - 1 if r else t  # response token j is scored at the position of the token before it
+        after = t - before - r
+        self.labels += [IGNORE_INDEX] * before + (list(item.response_ids) if r else []) + [IGNORE_INDEX] * after
+        self.advantages += [0.0] * before + [float(item.advantage)] * r + [0.0] * after if r else [0.0] * t
+        if self.with_logprobs:
+            self.logprobs += [0.0] * before + list(item.rollout_logprobs or []) + [0.0] * after if r else [0.0] * t
+        self.bounds.append(self.bounds[-1] + t)
         self.prefix_of.append(prefix)
         return len(self.prefix_of) - 1
 
     def finish(self) -> Pack:
-        if self.offset < self.length:
-            self.position_ids[self.offset :] = torch.arange(self.length - self.offset)
-            self.bounds.append(self.length)
-            self.prefix_of.append(-1)
+        extra = self.length - len(self.input_ids)
+        if extra > 0:
+            self.add_segment([self.pad_token_id] * extra, 0, PADDING)
         shared = any(p >= 0 for p in self.prefix_of)
         return Pack(
-            input_ids=self.input_ids,
-            position_ids=self.position_ids,
+            input_ids=torch.tensor(self.input_ids, dtype=torch.long),
+            position_ids=torch.tensor(self.position_ids, dtype=torch.long),
             cu_seq_lens=torch.tensor(self.bounds, dtype=torch.int32),
-            shifted_labels=self.labels,
-            advantages=self.advantages,
-            rollout_logprobs=self.logprobs,
-            seq_index=self.seq_index,
+            shifted_labels=torch.tensor(self.labels, dtype=torch.long),
+            advantages=torch.tensor(self.advantages, dtype=torch.float32),
+            rollout_logprobs=torch.tensor(self.logprobs, dtype=torch.float32) if self.with_logprobs else None,
+            seq_index=torch.tensor(self.seq_index, dtype=torch.long),
             prefix_of=torch.tensor(self.prefix_of, dtype=torch.long) if shared else None,
         )
 

@@ -82,28 +82,23 @@ def build_rollout_batch(
     adv = compute_advantages(advantage, grouped, lengths=lengths, **(advantage_kwargs or {}))
     uniform = (grouped == grouped[:, :1]).all(dim=1)
     keep = ~uniform if filter_uniform_groups else torch.ones(len(examples), dtype=torch.bool)
-    rows = []
-    for i, gen in enumerate(gens):
-        group = i // n
-        if not keep[group]:
-            continue
-        ex = examples[gen.prompt_index]
-        rows.append(
-            {
-                "group_id": group,
-                "sample_index": gen.sample_index,
-                "prompt_index": ex.row,
-                "data_source": ex.data_source,
-                "ground_truth": ex.ground_truth,
-                "prompt_ids": list(ex.prompt_ids),
-                "response_ids": list(gen.response_ids),
-                "rollout_logprobs": [float(x) for x in gen.logprobs],
-                "finish_reason": gen.finish_reason,
-                "response_text": texts[i],
-                "reward": float(grouped[group, i % n]),
-                "advantage": float(adv[group, i % n]),
-            }
-        )
+    kept = [i for i in range(len(gens)) if keep[i // n]]
+    flat_rewards, flat_adv = grouped.reshape(-1).tolist(), adv.reshape(-1).tolist()
+    picked = [(gens[i], examples[gens[i].prompt_index]) for i in kept]
+    columns = {  # built column by column: the driver does this every iteration, row dicts cost ~3x more
+        "group_id": [i // n for i in kept],
+        "sample_index": [g.sample_index for g, _ in picked],
+        "prompt_index": [ex.row for _, ex in picked],
+        "data_source": [ex.data_source for _, ex in picked],
+        "ground_truth": [ex.ground_truth for _, ex in picked],
+        "prompt_ids": [list(ex.prompt_ids) for _, ex in picked],
+        "response_ids": [list(g.response_ids) for g, _ in picked],
+        "rollout_logprobs": [[float(x) for x in g.logprobs] for g, _ in picked],
+        "finish_reason": [g.finish_reason for g, _ in picked],
+        "response_text": [texts[i] for i in kept],
+        "reward": [flat_rewards[i] for i in kept],
+        "advantage": [flat_adv[i] for i in kept],
+    }
     stats = {
         "reward_mean": float(grouped.mean()),
         "reward_std": float(grouped.std(unbiased=False)),
@@ -114,24 +109,31 @@ def build_rollout_batch(
         "uniform_group_fraction": float(uniform.float().mean()),
         "kept_groups": float(keep.sum()),
     }
-    frame = pd.DataFrame(rows, columns=ROLLOUT_SCHEMA.names)
+    frame = pd.DataFrame(columns, columns=ROLLOUT_SCHEMA.names)
     return frame, stats
 
 
 def batch_to_items(batch: pd.DataFrame) -> list[SequenceItem]:
     """One SequenceItem per row (row = position in the frame), ready for packing."""
-    items = []
-    for row, rec in enumerate(batch.itertuples(index=False)):
-        items.append(
-            SequenceItem(
-                prompt_ids=[int(x) for x in rec.prompt_ids],
-                response_ids=[int(x) for x in rec.response_ids],
-                advantage=float(rec.advantage),
-                rollout_logprobs=[float(x) for x in rec.rollout_logprobs],
-                row=row,
-            )
-        )
-    return items
+    columns = zip(
+        _lists(batch["prompt_ids"]), _lists(batch["response_ids"]), batch["advantage"].tolist(),
+        _lists(batch["rollout_logprobs"]), strict=True,
+    )  # fmt: skip
+    return [
+        SequenceItem(
+            prompt_ids=[int(x) for x in p],
+            response_ids=[int(x) for x in r],
+            advantage=float(a),
+            rollout_logprobs=[float(x) for x in lp],
+            row=row,
+        )  # fmt: skip
+        for row, (p, r, a, lp) in enumerate(columns)
+    ]
+
+
+def _lists(column: pd.Series) -> list:
+    """A list-valued column as Python lists (numpy arrays after a parquet round trip, lists when built here)."""
+    return [list(v) for v in column.tolist()]
 
 
 def write_batch(batch: pd.DataFrame, path: str | Path) -> None:
