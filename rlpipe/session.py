@@ -131,6 +131,7 @@ class RLSession:
             self.cfg.dp_size,
             pad_to_max_length=False,
             share_prompts=self.share_prompts,
+            balance=True,
         )
 
     @property
@@ -171,8 +172,7 @@ class RLSession:
         gen_tokens = sum(len(g.response_ids) for g in gens)
         stats.update({"rollout_time_s": elapsed, "rollout_tokens_per_s": gen_tokens / elapsed if elapsed else 0.0})
         self.state.consumed_prompts += len(indices)
-        self.state.data.append({"name": f"prompts@{iteration}", "path": str(self.prompts.path),
-                                "sha256": self.prompts.content_hash})  # fmt: skip
+        record_data(self.state.data, "prompts", iteration, str(self.prompts.path), self.prompts.content_hash)
         return batch, stats
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams):
@@ -220,8 +220,7 @@ class RLSession:
         metrics = self.controller.fit_sft(self._pack(items), self.total_steps)
         self.state.optimizer_step += 1
         self.state.sft_steps += 1
-        self.state.data.append({"name": f"sft@{self.state.iteration}", "path": str(self.sft_data.path),
-                                "sha256": self.sft_data.content_hash})  # fmt: skip
+        record_data(self.state.data, "sft", self.state.iteration, str(self.sft_data.path), self.sft_data.content_hash)
         return metrics.summary()
 
     def evaluate(self) -> dict[str, float]:
@@ -298,6 +297,19 @@ class RLSession:
 
     def close(self) -> None:
         self.controller.shutdown()
+
+
+def record_data(data: list[dict], role: str, iteration: int, path: str, sha256: str | None) -> None:
+    """Note that `iteration` read `path` in `role`. A run of iterations reading the same file is one lineage entry
+    (`prompts@301-400`), not one per iteration: a segment of 100 iterations would otherwise list the file 100 times."""
+    for entry in reversed(data):
+        name, _, span = entry["name"].partition("@")
+        if name == role:
+            if entry["path"] == path and entry["sha256"] == sha256:
+                entry["name"] = f"{role}@{span.split('-')[0]}-{iteration}"
+                return
+            break
+    data.append({"name": f"{role}@{iteration}", "path": path, "sha256": sha256})
 
 
 def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> list[list[torch.Tensor]] | None:

@@ -23,6 +23,7 @@ a unit longer than ``pack_max_length`` is split into several (each with its own 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -266,6 +267,42 @@ class _Layout:
         )
 
 
+def _first_fit_bins(units: Sequence[_Unit], max_length: int) -> list[list[_Unit]]:
+    """First-fit-decreasing: longest unit first, into the first bin with room (fewest bins, last ones emptier)."""
+    bins: list[list[_Unit]] = []
+    room: list[int] = []
+    for unit in sorted(units, key=lambda u: -u.length):  # stable: ties keep input order
+        for b, free in enumerate(room):
+            if unit.length <= free:
+                bins[b].append(unit)
+                room[b] -= unit.length
+                break
+        else:
+            bins.append([unit])
+            room.append(max_length - unit.length)
+    return bins
+
+
+def _balanced_bins(units: Sequence[_Unit], max_length: int, dp_size: int) -> list[list[_Unit]]:
+    """Longest unit first into the least-loaded bin with room, over the fewest bins that could hold the tokens
+    (a multiple of ``dp_size``; ``dp_size`` more are opened when nothing fits): every bin ends up with about the same
+    number of tokens, so every rank's micro-batch costs about the same."""
+    total = sum(u.length for u in units)
+    count = dp_size * math.ceil(total / (dp_size * max_length))  # no units, no bins
+    bins: list[list[_Unit]] = [[] for _ in range(count)]
+    load = [0] * count
+    for unit in sorted(units, key=lambda u: -u.length):  # stable: ties keep input order
+        fits = [b for b in range(len(bins)) if load[b] + unit.length <= max_length]
+        if not fits:
+            bins += [[] for _ in range(dp_size)]
+            load += [0] * dp_size
+            fits = list(range(len(bins) - dp_size, len(bins)))
+        target = min(fits, key=lambda b: (load[b], b))
+        bins[target].append(unit)
+        load[target] += unit.length
+    return bins
+
+
 def _pad_count(packs: list[Pack], dp_size: int, length: int, pad_token_id: int, with_logprobs: bool) -> list[Pack]:
     if dp_size <= 0:
         raise DataError(f"dp_size must be positive, got {dp_size}", field="dp_size")
@@ -282,12 +319,16 @@ def pack_sequences(
     *,
     pad_to_max_length: bool = True,
     share_prompts: bool = False,
+    balance: bool = False,
 ) -> list[Pack]:
     """Greedy first-fit-decreasing packing; see the module docstring.
 
     With ``pad_to_max_length=False`` every pack is exactly as long as its sequences (dummy packs are one token).
     With ``share_prompts=True`` consecutive samples of one prompt share its computation (module docstring); the
     model must then score packs with ``rlpipe.models.packed_attention`` (which reads ``Pack.prefix_of``).
+    With ``balance=True`` the tokens are spread evenly over the fewest packs (a multiple of ``dp_size``) instead of
+    filling each pack in turn (``_balanced_bins``): data-parallel ranks meet at every collective, so the rank with
+    the fullest pack sets the pace, and first-fit leaves the last pack nearly empty.
     The number of packs is a multiple of ``dp_size`` (no items give no packs).
     A sequence longer than ``pack_max_length`` raises DataError naming its row.
     """
@@ -297,21 +338,10 @@ def pack_sequences(
         raise DataError(f"dp_size must be positive, got {dp_size}", field="dp_size")
     with_lp = _validate(items, pack_max_length)
     units = _units(items, pack_max_length, share_prompts)
-    order = sorted(range(len(units)), key=lambda i: -units[i].length)  # stable: ties keep input order
-    bins: list[list[_Unit]] = []
-    room: list[int] = []
-    for i in order:
-        n = units[i].length
-        for b, free in enumerate(room):
-            if n <= free:
-                bins[b].append(units[i])
-                room[b] -= n
-                break
-        else:
-            bins.append([units[i]])
-            room.append(pack_max_length - n)
+    bins = _balanced_bins(units, pack_max_length, dp_size) if balance else _first_fit_bins(units, pack_max_length)
+    room = [pack_max_length - sum(u.length for u in b) for b in bins]
     packs = [
-        _build_pack(b, pack_max_length if pad_to_max_length else pack_max_length - free, pad_token_id, with_lp)
+        _build_pack(b, pack_max_length if pad_to_max_length else max(pack_max_length - free, 1), pad_token_id, with_lp)
         for b, free in zip(bins, room, strict=True)
     ]
     return _pad_count(packs, dp_size, pack_max_length if pad_to_max_length else 1, pad_token_id, with_lp)

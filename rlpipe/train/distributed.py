@@ -56,8 +56,14 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_min_max(mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise min and max over ranks."""
+    """Element-wise min and max over ranks, in place, in one collective (min x = -max(-x)).
+
+    Why one: on CPU a gloo collective costs ~0.3 ms at the median and several ms at the tail (scheduling), and a
+    training step issues a dozen; merging the metric reductions is measurable for small models.
+    """
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(mins, op=dist.ReduceOp.MIN)
-        dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
+        both = torch.cat([-mins.reshape(-1), maxs.reshape(-1)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        mins.copy_(-both[: mins.numel()].reshape(mins.shape))
+        maxs.copy_(both[mins.numel() :].reshape(maxs.shape))
     return mins, maxs

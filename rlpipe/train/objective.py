@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from rlpipe.algos.entropy import sampled_token_entropy_sum
 from rlpipe.algos.kl import kl_penalty
@@ -55,22 +54,20 @@ def batch_statistics(
     if ref is not None:
         for lp, rp, m in zip(old, ref, masks, strict=True):
             sums[4] += (kl_penalty(lp, rp, "low_var_kl") * m).sum().double()
-    all_reduce_sum(sums)
-    tokens = max(float(sums[0]), 1.0)
-
-    is_weights, mismatch, is_metrics = None, {}, {}
+    is_weights, local_metrics = None, {}
     if has_rollout and packs:
         old_cat, roll_cat = torch.cat(old), torch.cat([p.rollout_logprobs for p in packs])
         mask_cat, seq_cat = torch.cat(masks), torch.cat([p.seq_index for p in packs])
-        mismatch = _reduce_over_ranks(mismatch_metrics(old_cat, roll_cat, mask_cat, seq_cat))
+        local_metrics["mismatch"] = mismatch_metrics(old_cat, roll_cat, mask_cat, seq_cat)
         if algo.rollout_is.enabled:
             c = algo.rollout_is
-            weights, raw = rollout_is_weights(
+            weights, local_metrics["is"] = rollout_is_weights(
                 old_cat, roll_cat, mask_cat, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
                 veto_threshold=c.veto_threshold, seq_ids=seq_cat,
             )  # fmt: skip
-            is_metrics = _reduce_over_ranks(raw)
             is_weights = list(torch.split(weights.detach(), [p.length for p in packs]))
+    reduced = _reduce_with(sums, local_metrics)
+    tokens = max(float(sums[0]), 1.0)
     return BatchStats(
         train_entropy=float(sums[2]) / tokens,
         rollout_entropy=float(sums[3]) / tokens if has_rollout else None,
@@ -78,21 +75,28 @@ def batch_statistics(
         label_tokens=int(sums[0]),
         real_tokens=int(sums[1]),
         efficient_attn_ratio=float(sums[5] / sums[6]) if sums[6] > 0 else 0.0,
-        mismatch=mismatch,
-        rollout_is=is_metrics,
+        mismatch=reduced.get("mismatch", {}),
+        rollout_is=reduced.get("is", {}),
         is_weights=is_weights,
     )
 
 
-def _reduce_over_ranks(metrics: MetricSums) -> dict[str, float]:
-    """Exact cross-rank merge: sums and counts are summed, mins/maxs reduced, then means/std/ESS derived."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return metrics.finalize()
-    return metrics.reduce(
-        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM),
-        lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN),
-        lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),
-    ).finalize()
+def _reduce_with(sums: torch.Tensor, metrics: dict[str, MetricSums]) -> dict[str, dict[str, float]]:
+    """Exact cross-rank merge of `sums` (in place) and the metric accumulators in two collectives (one SUM, one
+    MAX), then means/std/ESS derived from the reduced sums."""
+    parts = {name: m.to_tensors() for name, m in metrics.items()}
+    sc = torch.cat([sums.reshape(-1).to(torch.float64)] + [p[0].to(torch.float64) for p in parts.values()])
+    mn = torch.cat([p[1].to(torch.float64) for p in parts.values()]) if parts else sc.new_zeros(0)
+    mx = torch.cat([p[2].to(torch.float64) for p in parts.values()]) if parts else sc.new_zeros(0)
+    all_reduce_sum(sc)
+    all_reduce_min_max(mn, mx)
+    sums.copy_(sc[: sums.numel()].reshape(sums.shape))
+    out, i, j, k = {}, sums.numel(), 0, 0
+    for name, (s_, n_, x_) in parts.items():
+        metrics[name].load_tensors(sc[i : i + s_.numel()], mn[j : j + n_.numel()], mx[k : k + x_.numel()])
+        i, j, k = i + s_.numel(), j + n_.numel(), k + x_.numel()
+        out[name] = metrics[name].finalize()
+    return out
 
 
 class StepSums:

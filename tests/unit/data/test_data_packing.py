@@ -204,3 +204,21 @@ def test_pad_pack_to_length() -> None:
     assert more.position_ids[pad_start:].tolist() == list(range(44 - pad_start))
     with pytest.raises(DataError):
         stack_packs([tight, full])
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3])
+def test_balanced_packing_spreads_tokens_evenly(dp_size: int) -> None:
+    """First-fit fills packs in turn (the last rank idles); balance=True evens them out over as few packs."""
+    gen = torch.Generator().manual_seed(4)
+    items = [
+        SequenceItem(torch.randint(3, 50, (int(p),), generator=gen).tolist(), [7] * int(r), row=i)
+        for i, (p, r) in enumerate(zip(torch.randint(2, 12, (60,), generator=gen), torch.randint(1, 9, (60,), generator=gen), strict=True))
+    ]  # fmt: skip
+    first_fit = pack_sequences(items, 256, 0, dp_size, pad_to_max_length=False)
+    balanced = pack_sequences(items, 256, 0, dp_size, pad_to_max_length=False, balance=True)
+    assert len(balanced) % dp_size == 0 and len(balanced) <= len(first_fit)
+    loads = [p.num_tokens for p in balanced]
+    assert max(loads) - min(loads) <= max(it.length for it in items)
+    assert max(loads) < max(p.num_tokens for p in first_fit) or len(balanced) == 1
+    assert sorted(r for p in balanced for r in set(p.seq_index.tolist()) if r >= 0) == list(range(60))
+    assert pack_sequences([], 256, 0, dp_size, balance=True) == []

@@ -181,3 +181,16 @@ def test_format_text_and_json(tmp_path):
     assert lin.Manifest.model_validate(doc["chain"][1]["manifest"]) == chain[1]
     with pytest.raises(ValueError):
         lin.format_lineage(chain, fmt="yaml")
+
+
+def test_consecutive_reads_of_one_file_are_one_lineage_entry():
+    from rlpipe.session import record_data
+
+    data: list[dict] = []
+    for it in (301, 302, 303):
+        record_data(data, "prompts", it, "p.parquet", "aa")
+        record_data(data, "sft", it, "s.parquet", "bb")
+    record_data(data, "prompts", 304, "other.parquet", "cc")  # a new file starts a new entry
+    record_data(data, "prompts", 305, "other.parquet", "cc")
+    assert [d["name"] for d in data] == ["prompts@301-303", "sft@301-303", "prompts@304-305"]
+    assert [d["path"] for d in data] == ["p.parquet", "s.parquet", "other.parquet"]
