@@ -1,7 +1,7 @@
 """rlpipe vs TRL's GRPOTrainer (trl 1.16) on CPU at equal work: time per RL step, tokens/s, reward curves.
 
 What is compared: `rlpipe run` with its defaults (2 Ray workers x 1 torch thread, FSDP2 over gloo, packed
-sequences, HF generate inside the workers) against `trl.GRPOTrainer` in one process with 2 torch threads (the same
+sequences, shared prompts, HF generate inside the workers) against `trl.GRPOTrainer` in one process with 2 torch threads (the same
 2 cores), both training the same model for the same number of updates.
 
 How equal work is ensured: both sides read their settings from one `PipelineConfig` (rlpipe's defaults):
@@ -62,15 +62,18 @@ PLOT = HERE / "trl_vs_rlpipe.png"
 TRL_LOSS_TYPE = "dapo"  # token-mean over the whole generation batch == rlpipe algo.loss_agg "token-mean"
 
 DIFFERENCES = [
-    "old logprobs: rlpipe recomputes them with an extra forward pass every step (fit); TRL skips that pass when "
-    "on-policy (num_iterations=1, steps_per_generation == gradient_accumulation_steps) and uses the detached current "
-    "logprobs; rlpipe also keeps the rollout logprobs (log_softmax of the generate logits), TRL does not. Both are "
-    "work rlpipe does and TRL does not; they count against rlpipe",
-    "layout: rlpipe packs sequences (no padding, pack_max_length tokens per micro-batch, 2 data-parallel ranks); TRL "
+    "prompt computation: rlpipe computes each prompt once for its n samples, in rollout (one prefill, KV cache "
+    "repeated n times) and in training (shared-prompt packs, `train.share_prompts`); TRL prefills and trains on every "
+    "sample's full prompt. Same samples and the same gradients to float rounding (tested); this is most of the "
+    "difference here, where prompts (9 tokens) are longer than responses (~2.6 tokens)",
+    "old logprobs: on-policy (one optimizer step per generation batch) both sides take them from the training "
+    "forward (rlpipe `train.old_logprobs=auto`); rlpipe also keeps the rollout logprobs (log_softmax of the generate "
+    "logits) for its mismatch metrics, TRL does not",
+    "layout: rlpipe packs sequences (no padding, pack_max_length tokens per micro-batch, data-parallel ranks); TRL "
     "left-pads prompts and right-pads completions into one [B, P+C] batch per micro-batch; token counts here are "
-    "real tokens on both sides",
-    "parallelism: rlpipe 2 Ray worker processes x 1 torch thread (FSDP2, gloo), each generating and training on half "
-    "the prompts; TRL 1 process x 2 torch threads",
+    "real prompt + response tokens per sample on both sides (a shared prompt counts once per sample)",
+    "parallelism: rlpipe as configured (default 2 Ray worker processes x 1 torch thread, FSDP2 over gloo, each "
+    "generating and training on half the prompts); TRL 1 process x 2 torch threads",
     "advantage epsilon: (r - mean) / (std + 1e-8) in rlpipe, + 1e-4 in TRL (both unbiased group std); with binary "
     "rewards in groups of 8 a non-zero std is >= 0.35, so advantages differ by < 3e-4 relative",
     "policy loss: rlpipe's vanilla loss has a dual clip (c=3) that TRL lacks; on-policy the ratio is 1, so neither "
@@ -499,8 +502,9 @@ def report(args, cfg, runs: dict[str, list[dict]], micro: int, argv: list[str] |
         f"(rlpipe's schedule in both), grad clip {t.grad_clip}, 1 optimizer step per RL step, no KL, GRPO advantage "
         f'with group std, token-mean loss (TRL `loss_type="{TRL_LOSS_TYPE}"`), {args.steps} updates per run, '
         f"{args.repeats} runs per side alternated (first {SKIP} steps of each run excluded from timings). "
-        f"rlpipe: `rlpipe run` defaults ({t.world_size} Ray workers x {t.threads_per_worker} thread, FSDP2/gloo, "
-        f"packed, pack_max_length {t.pack_max_length}). TRL {_trl_version()}: GRPOTrainer, 1 process x "
+        f"rlpipe: `rlpipe run` ({t.world_size} Ray workers x {t.threads_per_worker} threads, "
+        f"{'FSDP2' if t.fsdp else 'replicated'}/gloo, packed, pack_max_length {t.pack_max_length}, shared prompts "
+        f"{'on' if t.share_prompts else 'off'}). TRL {_trl_version()}: GRPOTrainer, 1 process x "
         f"{args.trl_threads} threads, per_device_train_batch_size {micro}, gradient_accumulation_steps = "
         f"steps_per_generation = {r.prompts_per_step * r.n // micro}, num_iterations 1, HF generate (no vLLM), fp32, "
         f"no gradient checkpointing. Reward: rlpipe's judge `{r.judge}` on the same decode of the same ids on both "
