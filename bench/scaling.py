@@ -63,13 +63,14 @@ def make_config(root: Path, world_size: int, model: str, budget: int, steps: int
 
 
 def minibatches(batch: int, steps: int, budget: int, seed: int):
-    """The same packs for both world sizes: `steps` mini-batches, each packed with dp_size=2."""
+    """The same packs for both world sizes: `steps` mini-batches, each packed with dp_size=2 and balanced over the
+    ranks, as the trainer packs (`RLSession._pack`)."""
     from rlpipe.data.packing import pack_sequences
 
     items = length_mix(batch, seed)
     per = len(items) // steps
-    return [pack_sequences(items[i * per : (i + 1) * per], budget, 0, dp_size=2, pad_to_max_length=False)
-            for i in range(steps)]  # fmt: skip
+    return [pack_sequences(items[i * per : (i + 1) * per], budget, 0, dp_size=2, pad_to_max_length=False,
+                           balance=True) for i in range(steps)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,6 +165,13 @@ class TrainConfig(_Strict):
     deterministic: bool = Field(True, description="torch deterministic algorithms (identical reruns on CPU).")
     ref_load_from: str | None = Field(None, description="Reference model dir for KL; None uses the base policy.")
     fsdp: bool = Field(True, description="Shard the policy with FSDP2 (fully_shard) over the dp ranks.")
+    fsdp_reshard_after_forward: bool | Literal["auto"] = Field(
+        "auto",
+        description="FSDP2 reshard_after_forward of the decoder layers. true: free gathered weights after each forward "
+        "and gather again in backward (ZeRO-3 memory); false: keep them to the backward (one all-gather per layer and "
+        "micro-batch less). auto: false when the whole policy is under 1 GiB (a few MB of extra memory; the tiny "
+        "default's fit step 65 -> 50 ms on gloo), true above.",
+    )
 
 
 class CheckpointConfig(_Strict):

@@ -45,12 +45,22 @@ def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard_policy(policy: PolicyModel, mesh) -> PolicyModel:
-    """FSDP2: one unit per decoder layer plus the root (embeddings, norm, head) over the dp mesh."""
+SMALL_MODEL_BYTES = 1 << 30  # below this, keeping gathered weights from forward to backward costs little memory
+
+
+def shard_policy(policy: PolicyModel, mesh, reshard_after_forward: bool | str = True) -> PolicyModel:
+    """FSDP2: one unit per decoder layer plus the root (embeddings, norm, head) over the dp mesh.
+
+    ``reshard_after_forward="auto"`` resolves to False for policies under ``SMALL_MODEL_BYTES`` (see
+    ``TrainConfig.fsdp_reshard_after_forward``).
+    """
     from torch.distributed.fsdp import fully_shard
 
+    if reshard_after_forward == "auto":
+        size = sum(p.numel() * p.element_size() for p in policy.parameters())
+        reshard_after_forward = size >= SMALL_MODEL_BYTES
     for layer in decoder_layers(policy.hf):
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=bool(reshard_after_forward))
     fully_shard(policy, mesh=mesh)
     return policy
 

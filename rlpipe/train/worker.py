@@ -72,7 +72,7 @@ class TrainingWorker:
         hf.train()
         policy = PolicyModel(hf, self.cfg.algo.chunk_size)
         if self.cfg.train.fsdp and dist.is_initialized():
-            shard_policy(policy, self.mesh["dp"])
+            shard_policy(policy, self.mesh["dp"], self.cfg.train.fsdp_reshard_after_forward)
         return policy
 
     def _build_reference(self) -> PolicyModel:

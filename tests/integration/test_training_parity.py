@@ -40,9 +40,9 @@ def _synthetic_packs(cfg, vocab: int, pad: int):
     ]
 
 
-def _fit_once(tmp_path, world_size: int):
+def _fit_once(tmp_path, world_size: int, **extra):
     cfg = load_config(overrides=tiny_overrides(tmp_path, **{"train.world_size": world_size,
-                                                           "train.optimizer_steps": 2}))  # fmt: skip
+                                                           "train.optimizer_steps": 2, **extra}))  # fmt: skip
     model_dir = prepare_base_model(cfg)
     controller = TrainingController(cfg, model_dir)
     try:
@@ -56,9 +56,11 @@ def _fit_once(tmp_path, world_size: int):
         controller.shutdown()
 
 
-def test_world_size_1_and_2_give_the_same_loss_and_grad_norm(tmp_path):
+@pytest.mark.parametrize("reshard", ["auto", True])
+def test_world_size_1_and_2_give_the_same_loss_and_grad_norm(tmp_path, reshard):
+    """`auto` keeps the tiny model's gathered weights to the backward; resharding gathers them again: same numbers."""
     one = _fit_once(tmp_path / "w1", 1)
-    two = _fit_once(tmp_path / "w2", 2)
+    two = _fit_once(tmp_path / "w2", 2, **{"train.fsdp_reshard_after_forward": reshard})
     for m1, m2 in zip(one[:2], two[:2], strict=True):
         assert len(m1.steps) == len(m2.steps) == 2
         assert m1.train_entropy == pytest.approx(m2.train_entropy, rel=1e-5)
