@@ -240,12 +240,16 @@ class _Layout:
         self.position_ids += range(first_position, first_position + t)
         self.seq_index += [owner] * t
         r = len(item.response_ids) if item is not None else 0
-        before = prompt_tokens - 1 if r else t  # response token j is scored at the position of the token before it
-        after = t - before - r
-        self.labels += [IGNORE_INDEX] * before + (list(item.response_ids) if r else []) + [IGNORE_INDEX] * after
-        self.advantages += [0.0] * before + [float(item.advantage)] * r + [0.0] * after if r else [0.0] * t
+        lead = prompt_tokens - 1 if r else t  # response token j is scored at the position of the token before it
+        tail = t - lead - r
+
+        def aligned(values: Sequence, fill: float) -> list:  # per-response-token values at their label positions
+            return [fill] * lead + list(values) + [fill] * tail
+
+        self.labels += aligned(item.response_ids if r else [], IGNORE_INDEX)
+        self.advantages += aligned([float(item.advantage)] * r if r else [], 0.0)
         if self.with_logprobs:
-            self.logprobs += [0.0] * before + list(item.rollout_logprobs or []) + [0.0] * after if r else [0.0] * t
+            self.logprobs += aligned((item.rollout_logprobs or []) if r else [], 0.0)
         self.bounds.append(self.bounds[-1] + t)
         self.prefix_of.append(prefix)
         return len(self.prefix_of) - 1
