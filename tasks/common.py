@@ -19,7 +19,7 @@ from tasks.types import Checkpoint
 DEPLOY_KIND = os.environ.get("RLPIPE_DEPLOY_KIND", "cpu")
 """Which RayJob shape and image the Ray tasks are registered with ('cpu' or 'gpu'); read at import."""
 
-CACHE_VERSION = "rlpipe-0.1"
+CACHE_VERSION = "rlpipe-0.2"
 """Bump when a cached phase's output for the same inputs changes (code change that alters numbers)."""
 
 CACHE = Cache(version=CACHE_VERSION)

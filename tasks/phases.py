@@ -57,9 +57,15 @@ def resolve_config(config_file: FlyteFile | None = None, overrides: list[str] | 
     return json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
 
 
-@cpu_task(cache=CACHE, timeout=timedelta(hours=1), retries=RETRIES)
+@cpu_task(timeout=timedelta(hours=1), retries=RETRIES)
 def base_model(config: str, model_dir: FlyteDirectory | None = None) -> FlyteDirectory:
-    """The policy every phase starts from: `model_dir`, `model.path`, or the tiny default built and warm-started."""
+    """The policy every phase starts from: `model_dir`, `model.path`, or the tiny default built and warm-started.
+
+    Not Flyte-cached: a local run's output is a path under `output_dir`, and the local cache would hand that path to
+    the next run even from another checkout or after `runs/` was deleted ("... is not a directory"). Repeats are
+    cheap anyway: `prepare_base_model` reuses a built model by its content fingerprint, and a `model.path` URI is
+    passed through without a copy.
+    """
     env_defaults()
     cfg = decode_config(config)
     if model_dir is not None:

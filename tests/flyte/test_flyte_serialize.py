@@ -97,7 +97,7 @@ def test_retries_timeouts_cache_and_decks(package):
     assert train["retries"]["retries"] == 2 and train["generatesDeck"] is True and not train.get("discoverable")
     for cached in ("tasks.phases.rollout", "tasks.phases.compute_logprobs", "tasks.phases.export_hf"):
         meta = _task(package, cached)["metadata"]
-        assert meta["discoverable"] is True and meta["discoveryVersion"] == "rlpipe-0.1"
+        assert meta["discoverable"] is True and meta["discoveryVersion"] == "rlpipe-0.2"
 
 
 def test_images_are_the_deployment_images(package):

@@ -279,3 +279,22 @@ def test_resolve_config_applies_overrides_and_validates(tmp_path):
     assert json.loads(resolve_config())["experiment"] == "grpo-sum"
     with pytest.raises(ConfigError):
         resolve_config(overrides=["train.nope=1"])
+
+
+def test_base_model_is_rebuilt_when_its_directory_is_gone(tmp_path):
+    """A second local run must not get the first run's model path back from Flyte's cache after it was deleted
+    (or from another checkout): the README command run twice in a fresh clone hit exactly that."""
+    import json
+    import shutil
+
+    from rlpipe.config import load_config
+    from tasks.phases import base_model
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(overrides=tiny_overrides(tmp_path, **{"model.warmup_sft_steps": 2}))
+    config = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    first = Path(base_model(config=config).path)
+    assert (first / "config.json").is_file()
+    shutil.rmtree(tmp_path / "out")
+    second = Path(base_model(config=config).path)
+    assert (second / "config.json").is_file()
