@@ -92,17 +92,15 @@ def packed_sdpa_attention(
 
 
 def _prefix_gather_index(cu: torch.Tensor, prefix_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index ``[S, P]`` of each segment's shared-prompt tokens, validity ``[S, P]``); P is the longest prefix."""
-    cu = cu.to(torch.long)
-    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    """(index ``[S, P]`` of each segment's shared-prompt tokens, validity ``[S, P]``); P is the longest prefix.
+
+    The rows of ``pack_gather_index`` for the prefix segments, picked per reading segment (none: all invalid)."""
+    lengths = (cu[1:] - cu[:-1]).to(torch.long)
     has = prefix_of >= 0
     source = prefix_of.clamp(min=0)
-    prefix_len = torch.where(has, lengths[source], torch.zeros_like(lengths))
-    longest = int(prefix_len.max()) if prefix_len.numel() else 0
-    offsets = torch.arange(longest, device=cu.device)
-    valid = offsets[None, :] < prefix_len[:, None]
-    index = (starts[source][:, None] + offsets[None, :]).clamp(max=max(int(cu[-1]) - 1, 0))
-    return index, valid
+    longest = int(torch.where(has, lengths[source], 0).max()) if prefix_of.numel() else 0
+    index, valid = pack_gather_index(cu, longest)
+    return index[source], valid[source] & has[:, None]
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)

@@ -3,10 +3,11 @@
 Prompts are left-padded with an attention mask (positions then start at 0 for every row, as in training) and
 sampled with a KV cache. The ``n`` samples of a prompt share its prefill: all but the last prompt token are run once
 per prompt, the cache is repeated ``n`` times, and ``generate`` continues from it (for short responses the prefill
-of ``n`` identical prompts was most of a rollout; the samples are the same, the logits equal to float rounding). Logprobs come from the raw logits generate returns
-(``output_logits=True``), so they are the untempered, unfiltered policy distribution the trainer scores.
-The model's own ``generation_config`` is ignored during rollout: transformers 5 would otherwise fill unset fields
-(repetition penalty, min_p, ...) from it and silently change the sampling distribution.
+of ``n`` identical prompts was most of a rollout; the samples are the same, the logits equal to float rounding).
+Logprobs come from the raw logits generate returns (``output_logits=True``), so they are the untempered, unfiltered
+policy distribution the trainer scores. The model's own ``generation_config`` is ignored during rollout:
+transformers 5 would otherwise fill unset fields (repetition penalty, min_p, ...) from it and silently change the
+sampling distribution.
 """
 
 from __future__ import annotations
@@ -101,9 +102,8 @@ class HFRolloutEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ConfigError(f"rollout: prompt {i} is empty (a prompt needs at least one token, e.g. BOS)")
-        per_call = max(
-            1, self.batch_size // params.n
-        )  # prompts per generate call (batch_size rows, at least one group)
+        # Prompts per generate call: batch_size rows, but never less than one whole group.
+        per_call = max(1, self.batch_size // params.n)
         gen_cfg = self._generation_config(params)
         stop_ids = set(gen_cfg.eos_token_id)
         model = self.model
