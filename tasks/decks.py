@@ -75,10 +75,10 @@ class TrainingDecks:
         self.title = title
         self.publish_every_s = publish_every_s
         self.rows: list[dict[str, float]] = list(rows or [])
-        self._last_publish = float("-inf")
+        self._last_publish = time.monotonic()  # first publish after `publish_every_s` (then at the end)
 
     def add(self, row: dict[str, float]) -> None:
-        """Record one iteration; publish when the last publish is older than `publish_every_s`."""
+        """Record one iteration; publish when the last publish (or the start) is older than `publish_every_s`."""
         self.rows.append(dict(row))
         if time.monotonic() - self._last_publish >= self.publish_every_s:
             self.publish()

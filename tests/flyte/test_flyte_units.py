@@ -205,6 +205,58 @@ def test_decks_are_published_while_a_task_runs(tmp_path):
     assert seen["names"].count(CURVES_DECK) == 1 and seen["names"].count(TABLE_DECK) == 1
 
 
+def test_training_decks_first_publish_waits_for_the_interval(monkeypatch):
+    """A segment's first iteration must not render the decks (a 5 MB plotly page per segment start)."""
+    from tasks import decks as decks_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(decks_mod.time, "monotonic", lambda: clock[0])
+    published = []
+    decks = decks_mod.TrainingDecks("t", publish_every_s=60.0)
+    monkeypatch.setattr(decks, "publish", lambda: published.append(len(decks.rows)) or True)
+    decks.add({"iteration": 1.0})
+    clock[0] += 59.0
+    decks.add({"iteration": 2.0})
+    assert published == []
+    clock[0] += 1.0
+    decks.add({"iteration": 3.0})
+    assert published == [3]
+
+
+# ----------------------------------------------------------------------------------------------- ray tasks
+
+
+def test_ray_tasks_drop_the_dependencies_deck_and_keep_the_ray_job():
+    from flytekit.deck import DeckField
+
+    from tasks.common import RlpipeRayTask
+    from tasks.segment import rl_segment
+
+    assert isinstance(rl_segment, RlpipeRayTask) and rl_segment.task_type == "ray"
+    assert DeckField.DEPENDENCIES not in rl_segment.deck_fields and DeckField.TIMELINE in rl_segment.deck_fields
+    assert rl_segment.task_config.head_node_config.ray_start_params["num-cpus"] == "0"
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_local_ray_tasks_start_rlpipes_ray_before_the_plugins(monkeypatch, local):
+    """Locally our ray (no dashboard, worker env) must be up before the plugin's ray.init(ignore_reinit_error)."""
+    import ray
+    from flytekit import FlyteContextManager
+    from flytekit.core.context_manager import ExecutionState
+
+    import tasks.common as common
+    from tasks.segment import rl_segment
+
+    calls = []
+    monkeypatch.setattr(common, "ensure_ray", lambda: calls.append("rlpipe"))
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("plugin", kw.get("ignore_reinit_error"))))
+    ctx = FlyteContextManager.current_context()
+    mode = ExecutionState.Mode.LOCAL_TASK_EXECUTION if local else ExecutionState.Mode.TASK_EXECUTION
+    with FlyteContextManager.with_context(ctx.with_execution_state(ctx.execution_state.with_params(mode=mode))):
+        rl_segment.pre_execute(ctx.user_space_params)
+    assert calls == (["rlpipe", ("plugin", True)] if local else [("plugin", None)])
+
+
 # ----------------------------------------------------------------------------------------------- errors, artifacts
 
 
