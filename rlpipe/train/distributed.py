@@ -67,3 +67,38 @@ def all_reduce_min_max(mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Te
         mins.copy_(-both[: mins.numel()].reshape(mins.shape))
         maxs.copy_(both[mins.numel() :].reshape(maxs.shape))
     return mins, maxs
+
+
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Gradients are summed over ranks in flat buckets of about this size (as DDP does): one collective per bucket
+instead of one per parameter, with at most one bucket of extra memory."""
+
+
+def all_reduce_grads(params, bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
+    """Sum the `.grad` of replicated (unsharded) parameters over ranks, in place, bucket by bucket."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for grad in (p.grad for p in params if p.grad is not None):
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= bucket_bytes:
+            _all_reduce_flat(bucket)
+            bucket, size = [], 0
+    if bucket:
+        _all_reduce_flat(bucket)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor]) -> None:
+    """One SUM all-reduce over the concatenation of same-device grads (grouped by dtype), copied back."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in group:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

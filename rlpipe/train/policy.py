@@ -45,7 +45,19 @@ def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-SMALL_MODEL_BYTES = 1 << 30  # below this, keeping gathered weights from forward to backward costs little memory
+SMALL_MODEL_BYTES = 1 << 30
+"""Below this many bytes of parameters the `auto` settings favour speed over memory: the policy is replicated
+instead of sharded (`TrainConfig.fsdp`), and a sharded one keeps its gathered weights from forward to backward
+(`TrainConfig.fsdp_reshard_after_forward`)."""
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def resolve_small_model_auto(setting: bool | str, model: nn.Module) -> bool:
+    """`auto` -> True when the model's parameters take at least `SMALL_MODEL_BYTES`; booleans as given."""
+    return parameter_bytes(model) >= SMALL_MODEL_BYTES if setting == "auto" else bool(setting)
 
 
 def shard_policy(policy: PolicyModel, mesh, reshard_after_forward: bool | str = True) -> PolicyModel:
@@ -56,11 +68,9 @@ def shard_policy(policy: PolicyModel, mesh, reshard_after_forward: bool | str = 
     """
     from torch.distributed.fsdp import fully_shard
 
-    if reshard_after_forward == "auto":
-        size = sum(p.numel() * p.element_size() for p in policy.parameters())
-        reshard_after_forward = size >= SMALL_MODEL_BYTES
+    reshard_after_forward = resolve_small_model_auto(reshard_after_forward, policy)
     for layer in decoder_layers(policy.hf):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=bool(reshard_after_forward))
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(policy, mesh=mesh)
     return policy
 

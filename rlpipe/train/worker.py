@@ -25,11 +25,25 @@ from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.hf_engine import HFRolloutEngine
 from rlpipe.train import checkpoint as ckpt
-from rlpipe.train.distributed import all_reduce_sum, backend_for, free_port, init_process_group, pick_device
+from rlpipe.train.distributed import (
+    all_reduce_grads,
+    all_reduce_sum,
+    backend_for,
+    free_port,
+    init_process_group,
+    pick_device,
+)
 from rlpipe.train.metrics import FitMetrics, SFTMetrics, TrainStepMetrics
 from rlpipe.train.objective import BatchStats, StepSums, batch_statistics, rl_microbatch_loss, sft_microbatch_loss
 from rlpipe.train.optim import build_optimizer, set_lr
-from rlpipe.train.policy import PolicyModel, copy_policy_into, copy_weights_into, full_hf_state_dict, shard_policy
+from rlpipe.train.policy import (
+    PolicyModel,
+    copy_policy_into,
+    copy_weights_into,
+    full_hf_state_dict,
+    resolve_small_model_auto,
+    shard_policy,
+)
 
 
 class TrainingWorker:
@@ -39,6 +53,7 @@ class TrainingWorker:
         self.cfg = PipelineConfig.model_validate_json(cfg_json)
         self.model_dir = model_dir
         self.rank, self.world_size = rank, world_size
+        self._sharded = False  # FSDP2 units (set by `_build_policy`); False: replicated or a single process
         self.device = pick_device(self.cfg.train.device)
         if self.device.type == "cpu":
             torch.set_num_threads(self.cfg.train.threads_per_worker)
@@ -71,7 +86,8 @@ class TrainingWorker:
         hf.config.use_cache = False
         hf.train()
         policy = PolicyModel(hf, self.cfg.algo.chunk_size)
-        if self.cfg.train.fsdp and dist.is_initialized():
+        self._sharded = dist.is_initialized() and resolve_small_model_auto(self.cfg.train.fsdp, policy)
+        if self._sharded:
             shard_policy(policy, self.mesh["dp"], self.cfg.train.fsdp_reshard_after_forward)
         return policy
 
@@ -241,14 +257,12 @@ class TrainingWorker:
         return float(self.mesh["dp"].size()) if self._is_sharded() else 1.0
 
     def _is_sharded(self) -> bool:
-        return self.cfg.train.fsdp and dist.is_initialized()
+        return self._sharded
 
     def _clip_and_step(self) -> tuple[float, bool]:
         """Clip to `grad_clip`; skip (and count) the update when the norm is not finite."""
-        if not self._is_sharded() and dist.is_initialized() and dist.get_world_size() > 1:
-            for p in self.policy.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
+        if not self._is_sharded():
+            all_reduce_grads(self.policy.parameters())  # replicated policy (train.fsdp off): sum over ranks
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.train.grad_clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()

@@ -56,11 +56,16 @@ def _fit_once(tmp_path, world_size: int, **extra):
         controller.shutdown()
 
 
-@pytest.mark.parametrize("reshard", ["auto", True])
-def test_world_size_1_and_2_give_the_same_loss_and_grad_norm(tmp_path, reshard):
-    """`auto` keeps the tiny model's gathered weights to the backward; resharding gathers them again: same numbers."""
+@pytest.mark.parametrize(
+    "layout",
+    [{"train.fsdp": True}, {"train.fsdp": True, "train.fsdp_reshard_after_forward": True}, {"train.fsdp": False}],
+    ids=["fsdp-keep-gathered", "fsdp-reshard", "replicated"],
+)
+def test_world_size_1_and_2_give_the_same_loss_and_grad_norm(tmp_path, layout):
+    """`auto` keeps the tiny model's gathered weights to the backward; resharding gathers them again; replicated
+    (no FSDP) sums the gradients over ranks in flat buckets: the same numbers as one rank in every layout."""
     one = _fit_once(tmp_path / "w1", 1)
-    two = _fit_once(tmp_path / "w2", 2, **{"train.fsdp_reshard_after_forward": reshard})
+    two = _fit_once(tmp_path / "w2", 2, **layout)
     for m1, m2 in zip(one[:2], two[:2], strict=True):
         assert len(m1.steps) == len(m2.steps) == 2
         assert m1.train_entropy == pytest.approx(m2.train_entropy, rel=1e-5)
@@ -124,3 +129,25 @@ def test_shared_prompt_packing_trains_like_unshared(tmp_path):
     )  # the same sequence tokens are counted whichever the layout
     for key in ("loss", "grad_norm", "train_entropy", "mismatch/mismatch_kl", "clip_frac_high", "ratio_max"):
         assert shared[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_replicated_checkpoint_loads_sharded_and_replicated(tmp_path):
+    """2 ranks: a checkpoint saved by a replicated policy (DCP, optimizer included) loads into an FSDP2 policy and a
+    replicated one with the same weights, so `train.fsdp` (or a model crossing the auto threshold) can change on
+    resume."""
+    from rlpipe.session import RLSession
+
+    def cfg_for(fsdp: bool):
+        extra = {"train.world_size": 2, "train.fsdp": fsdp, "iterations": 2}
+        return load_config(overrides=tiny_overrides(tmp_path, **extra))
+
+    ckpt = run_segment(cfg_for(False), None, 2).checkpoint
+    digests = {}
+    for fsdp in (True, False):
+        cfg = cfg_for(fsdp)
+        session = RLSession(cfg, prepare_base_model(cfg), ckpt)
+        try:
+            digests[fsdp] = session.controller.weights_digest()
+        finally:
+            session.close()
+    assert digests[True] == digests[False]
