@@ -62,6 +62,14 @@ def make_config(root: Path, world_size: int, model: str, budget: int, steps: int
     return load_config(overrides=overrides)
 
 
+def _layout(cfg, model_dir: str) -> str:
+    """What `train.fsdp` resolves to for this model: 'FSDP2' or 'replicated'."""
+    from rlpipe.models.loading import load_model
+    from rlpipe.train.policy import resolve_small_model_auto
+
+    return "FSDP2" if resolve_small_model_auto(cfg.train.fsdp, load_model(model_dir)) else "replicated"
+
+
 def minibatches(batch: int, steps: int, budget: int, seed: int):
     """The same packs for both world sizes: `steps` mini-batches, each packed with dp_size=2 and balanced over the
     ranks, as the trainer packs (`RLSession._pack`)."""
@@ -103,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 controllers[ws] = TrainingController(cfgs[ws], model_dir)
             mbs = minibatches(args.batch, args.steps, args.budget, args.seed)
             real_tokens = sum(p.num_tokens for mb in mbs for p in mb)
+            layout = _layout(cfgs[2], model_dir)
             for ws in (1, 2):  # warm-up fit outside the timing
                 controllers[ws].fit(mbs, 0, 1000)
             wall: dict[int, list[float]] = {1: [], 2: []}
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     body = (
         f"Model `{args.model}` ({MODELS[args.model] or 'TinyModelConfig defaults'}), global batch {args.batch} "
         f"sequences (length mix of bench/packing.py, {real_tokens} real tokens), {args.steps} optimizer steps per "
-        f"fit, pack budget {args.budget}, train.threads_per_worker=1, gloo, FSDP2 (train.fsdp default), "
+        f"fit, pack budget {args.budget}, train.threads_per_worker=1, gloo, train.fsdp={cfgs[2].train.fsdp} "
+        f"({layout} at world size 2), "
         f"{args.repeats} alternated repeats.\n\n"
         + table(["world size", "fit wall (s)", "optimizer steps (s)", "real tok/s (fit)"], rows)
         + f"\n\nSpeedup ws=1 / ws=2: fit {speedup:.2f}x, optimizer steps {step_speedup:.2f}x; target >= {TARGET}x "

@@ -169,7 +169,7 @@ class TrainConfig(_Strict):
         description="Shard the policy with FSDP2 (fully_shard) over the dp ranks. false: every rank holds the whole "
         "policy and optimizer state and gradients are summed over ranks in flat ~25 MB buckets (as DDP): fewer, "
         "larger collectives. auto: shard when the policy's parameters take 1 GiB or more, replicate below (the tiny "
-        "default's RL step on 2 CPU workers is ~20% faster replicated, bench/trl_peer.py --variants).",
+        "default's RL step on 2 CPU workers is faster replicated: bench/layouts.py).",
     )
     fsdp_reshard_after_forward: bool | Literal["auto"] = Field(
         "auto",

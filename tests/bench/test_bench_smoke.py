@@ -104,3 +104,11 @@ def test_scaling_quick(tmp_path):
     out = _run("scaling.py", tmp_path / "r.md", 600)
     assert re.search(r"scaling ratio: fit time ws=1 / ws=2 = \d+\.\d+x", out)
     _check_section(tmp_path / "r.md", "Scaling: 1 vs 2 Ray training workers")
+
+
+@pytest.mark.slow
+def test_layouts_quick(tmp_path):
+    out = _run("layouts.py", tmp_path / "r.md", 600)
+    for name in ("replicated", "fsdp2", "fsdp2-reshard"):
+        assert re.search(rf"{name}: wall/step \d+\.\d+ s; replicated is \d+\.\d+x as fast", out), out
+    assert "## Training layouts: replicated vs FSDP2" in (tmp_path / "r.md").read_text()
