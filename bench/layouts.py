@@ -72,8 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_record:
         return 0
     rows = [
-        [name, " ".join(VARIANTS[name]), *(median([r[k] for r in runs[name]]) for k in ("wall", "train", "rollout")),
-         1 / speedups[name]]  # fmt: skip
+        [
+            name,
+            " ".join(VARIANTS[name]),
+            *(median([r[k] for r in runs[name]]) for k in ("wall", "train", "rollout")),
+            1 / speedups[name],
+        ]  # fmt: skip
         for name in names
     ]
     body = (
