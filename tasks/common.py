@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -11,7 +10,6 @@ from flytekit import Cache, ExecutionParameters, FlyteContextManager, task
 from flytekit.core.task import TaskPlugins
 from flytekit.deck import DeckField
 from flytekit.types.directory import FlyteDirectory
-from flytekitplugins.ray import RayJobConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 from images.specs import image_spec
@@ -19,7 +17,7 @@ from rlpipe.config import PipelineConfig, validate_config
 from rlpipe.train.controller import ensure_ray
 from rlpipe.train.lineage import lineage_chain, read_manifest
 from tasks import storage
-from tasks.ray_config import ray_job_config
+from tasks.ray_config import RlpipeRayJobConfig, ray_job_config
 from tasks.types import Checkpoint
 
 DEPLOY_KIND = os.environ.get("RLPIPE_DEPLOY_KIND", "cpu")
@@ -50,20 +48,13 @@ class RlpipeRayTask(RayFunctionTask):
         return super().pre_execute(user_params)
 
 
-@dataclasses.dataclass
-class RlpipeRayJobConfig(RayJobConfig):
-    """The same RayJob spec; its own type only so that `@task` builds an `RlpipeRayTask` for it."""
-
-
 TaskPlugins.register_pythontask_plugin(RlpipeRayJobConfig, RlpipeRayTask)
 
 
 def ray_task(**kwargs):
     """`@task` with the deployment's RayJobConfig and image: head num-cpus 0, one worker group, auto shutdown."""
-    base = ray_job_config(DEPLOY_KIND)
-    config = RlpipeRayJobConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
     kwargs.setdefault("deck_fields", DECK_FIELDS)
-    return task(task_config=config, container_image=image_spec(DEPLOY_KIND), **kwargs)
+    return task(task_config=ray_job_config(DEPLOY_KIND), container_image=image_spec(DEPLOY_KIND), **kwargs)
 
 
 def cpu_task(**kwargs):

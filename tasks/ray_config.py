@@ -18,6 +18,8 @@ template, see k8s/flyte/.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from flytekit import Resources
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
@@ -36,7 +38,12 @@ def _resources(shape: RayGroupShape) -> Resources:
     return Resources(cpu=k8s["cpu"], mem=k8s["memory"], gpu=k8s.get(GPU_RESOURCE))
 
 
-def ray_job_config(kind: str = "cpu", replicas: int | None = None) -> RayJobConfig:
+@dataclass
+class RlpipeRayJobConfig(RayJobConfig):
+    """The plugin's RayJob spec; its own type only so that `@task` builds a `tasks.common.RlpipeRayTask` for it."""
+
+
+def ray_job_config(kind: str = "cpu", replicas: int | None = None) -> RlpipeRayJobConfig:
     """The RayJobConfig of the `kind` deployment ('cpu' or 'gpu'); `replicas` overrides the worker count.
 
     Unknown kinds raise `rlpipe.errors.ConfigError` (from `rlpipe.deploy.profile`).
@@ -44,7 +51,7 @@ def ray_job_config(kind: str = "cpu", replicas: int | None = None) -> RayJobConf
     prof = profile(kind)
     head, worker = _resources(prof.head), _resources(prof.worker)
     workers = prof.worker.replicas if replicas is None else replicas
-    return RayJobConfig(
+    return RlpipeRayJobConfig(
         head_node_config=HeadNodeConfig(ray_start_params=dict(HEAD_START_PARAMS), requests=head, limits=head),
         worker_node_config=[
             WorkerNodeConfig(

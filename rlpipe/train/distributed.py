@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
@@ -74,7 +75,7 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 instead of one per parameter, with at most one bucket of extra memory."""
 
 
-def all_reduce_grads(params, bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
+def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
     """Sum the `.grad` of replicated (unsharded) parameters over ranks, in place, bucket by bucket."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
