@@ -38,9 +38,11 @@ from tasks.types import (
     MetricsTable,
     RolloutBatch,
     ScoredRolloutBatch,
+    merge_metrics_row,
     metrics_dataset,
     open_rollout_batch,
     rollout_dataset,
+    table_rows,
 )
 
 env_defaults()
@@ -187,12 +189,17 @@ def export_hf(
 
 
 @cpu_task(timeout=timedelta(minutes=10))
-def metrics_table(config: str, rows: list[list[dict[str, float]]]) -> Annotated[MetricsTable, MetricsArtifact()]:
-    """Groups of rows (one group per segment or phase task) flattened; rows with the same `iteration` merged into
-    one (rollout + train + sft + eval), sorted by iteration."""
+def metrics_table(
+    config: str, rows: list[dict[str, float]] | None = None, tables: list[MetricsTable] | None = None
+) -> Annotated[MetricsTable, MetricsArtifact()]:
+    """Metrics rows (granular: one per phase task) and tables (one per segment) as one table, one row per
+    iteration: rows of the same `iteration` merged (rollout + train + sft + eval), sorted by iteration.
+
+    Segments pass tables, not rows: Flyte converts a `dict[str, float]` value by value, which for 100 rows of ~40
+    metrics per segment cost seconds per run; a parquet table is one file."""
     merged: dict[float, dict[str, float]] = {}
-    for row in (r for group in rows for r in group):
-        merged.setdefault(row.get("iteration", float("nan")), {}).update(row)
+    for row in [*(rows or []), *(r for t in tables or [] for r in table_rows(t))]:
+        merge_metrics_row(merged.setdefault(row.get("iteration", float("nan")), {}), row)
     ordered = [merged[k] for k in sorted(merged)]
     last = int(max(merged)) if merged else 0
     return tag(MetricsArtifact, metrics_dataset(ordered), decode_config(config).experiment, last)

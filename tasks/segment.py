@@ -19,7 +19,7 @@ from tasks.artifacts import CheckpointArtifact, tag
 from tasks.common import checkpoint_metrics_history, engine_config, env_defaults, ray_task, resumable
 from tasks.decks import TrainingDecks
 from tasks.errors import retry_on_lost_workers
-from tasks.types import Checkpoint
+from tasks.types import Checkpoint, MetricsTable, metrics_dataset
 
 env_defaults()
 
@@ -30,7 +30,7 @@ PROGRESS_EVERY = 10  # iterations between two progress lines in the task log
 
 class SegmentOut(NamedTuple):
     checkpoint: Annotated[Checkpoint, CheckpointArtifact()]
-    metrics: list[dict[str, float]]
+    metrics: MetricsTable
 
 
 @ray_task(retries=SEGMENT_RETRIES, timeout=timedelta(hours=6), enable_deck=True)
@@ -67,7 +67,8 @@ def rl_segment(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint |
         final = storage.describe(result.checkpoint)
     decks.publish()
     rows = [r for r in decks.rows if r.get("iteration", 0) > start_iteration]
-    return SegmentOut(checkpoint=tag(CheckpointArtifact, final, user.experiment, final.step), metrics=rows)
+    checkpoint = tag(CheckpointArtifact, final, user.experiment, final.step)
+    return SegmentOut(checkpoint=checkpoint, metrics=metrics_dataset(rows))
 
 
 def _history(origin: Checkpoint | None) -> list[dict[str, float]]:

@@ -10,6 +10,7 @@ Each is a real Flyte type (not a pickle) so the UI shows it, caching can key on 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -91,6 +92,18 @@ def metrics_dataset(rows: list[dict[str, float]]) -> StructuredDataset:
     frame = pd.DataFrame(rows, dtype="float64")
     cols = sorted(frame.columns, key=lambda c: (c != "iteration", c))
     return StructuredDataset(dataframe=frame[cols] if cols else frame)
+
+
+def table_rows(table: StructuredDataset) -> list[dict[str, float]]:
+    """A metrics table back as rows; a NaN cell is kept (a metric can be NaN), `merge_metrics_row` skips it."""
+    return table.open(pd.DataFrame).all().to_dict("records")
+
+
+def merge_metrics_row(into: dict[str, float], row: dict[str, float]) -> None:
+    """Merge `row` into `into`; a NaN never overwrites a value (in a table NaN also means "this row lacked it")."""
+    for key, value in row.items():
+        if not (isinstance(value, float) and math.isnan(value) and key in into):
+            into[key] = value
 
 
 @dataclass

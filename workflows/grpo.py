@@ -57,14 +57,14 @@ def segments(config: str, model: FlyteDirectory, start: Checkpoint | None, more_
     """Chain `rl_segment` tasks of `segment_size` iterations until the last iteration."""
     config, first, last = _plan(config, start, more_iterations)
     segment_size = decode_config(config).segment_size
-    ckpt, rows, it = start, [], first
+    ckpt, tables, it = start, [], first
     while it <= last:
         k = min(segment_size, last - it + 1)
         out = rl_segment(config=config, base_model=model, checkpoint=ckpt, k=k)
         ckpt = out.checkpoint
-        rows.append(out.metrics)
+        tables.append(out.metrics)
         it += k
-    return RunOut(checkpoint=ckpt, metrics=metrics_table(config=config, rows=rows))
+    return RunOut(checkpoint=ckpt, metrics=metrics_table(config=config, tables=tables))
 
 
 @dynamic(container_image=image_spec("cpu"))
@@ -79,13 +79,13 @@ def granular(config: str, model: FlyteDirectory, start: Checkpoint | None, more_
         tr = train(config=config, base_model=model, checkpoint=ckpt, batch=batch, iteration=it,
                    rollout_metrics=ro.metrics)  # fmt: skip
         ckpt = tr.checkpoint
-        rows.append([tr.metrics])
+        rows.append(tr.metrics)
         if cfg.sft.enabled and it % cfg.sft.rollout_steps_per_sft == 0:
             st = sft(config=config, base_model=model, checkpoint=ckpt, iteration=it)
             ckpt = st.checkpoint
-            rows.append([st.metrics])
+            rows.append(st.metrics)
         if cfg.eval_every and it % cfg.eval_every == 0:
-            rows.append([evaluate(config=config, base_model=model, checkpoint=ckpt, iteration=it)])
+            rows.append(evaluate(config=config, base_model=model, checkpoint=ckpt, iteration=it))
     return RunOut(checkpoint=ckpt, metrics=metrics_table(config=config, rows=rows))
 
 

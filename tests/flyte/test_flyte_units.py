@@ -146,19 +146,30 @@ def test_missing_declared_column_is_an_error():
         batch_to_arrow(_batch().drop(columns=["advantage"]))
 
 
-def test_metrics_table_merges_rows_of_one_iteration():
+def test_metrics_table_merges_rows_and_tables_of_one_iteration():
     from flytekit.types.structured import StructuredDataset  # noqa: F401 - registers encoders
 
     from tasks.phases import metrics_table
     from tasks.types import metrics_dataset
 
-    rows = [[{"iteration": 2.0, "loss": 0.5}], [{"iteration": 1.0, "loss": 1.0}, {"iteration": 1.0, "sft/loss": 3.0}]]
     config = '{"experiment": "x"}'
+    # granular: one row per phase task; iteration 1 has a train row and an sft row
+    rows = [{"iteration": 2.0, "loss": 0.5}, {"iteration": 1.0, "loss": 1.0}, {"iteration": 1.0, "sft/loss": 3.0}]
     frame = metrics_table(config=config, rows=rows).open(pd.DataFrame).all()
     assert frame["iteration"].tolist() == [1.0, 2.0]
     assert frame["loss"].tolist() == [1.0, 0.5]
     assert frame["sft/loss"].iloc[0] == 3.0 and math.isnan(frame["sft/loss"].iloc[1])
     assert list(metrics_dataset([{"b": 1.0, "iteration": 1.0, "a": 2.0}]).dataframe.columns) == ["iteration", "a", "b"]
+    # segments: one table each (the empty one: a segment that had nothing left to run); a table's NaN cell (a
+    # metric its row lacked) never overwrites a value, and a NaN metric with no other value stays NaN
+    segment_a = metrics_dataset([{"iteration": 1.0, "loss": 1.0}, {"iteration": 2.0, "sft/loss": 3.0}])
+    segment_b = metrics_dataset([{"iteration": 2.0, "loss": 0.5, "grad_norm": float("nan")}])
+    tables = [segment_b, metrics_dataset([]), segment_a]
+    frame = metrics_table(config=config, tables=tables).open(pd.DataFrame).all()
+    assert frame["iteration"].tolist() == [1.0, 2.0]
+    assert frame["loss"].tolist() == [1.0, 0.5]
+    assert math.isnan(frame["sft/loss"].iloc[0]) and frame["sft/loss"].iloc[1] == 3.0
+    assert frame["grad_norm"].isna().all()
 
 
 # ----------------------------------------------------------------------------------------------- decks
