@@ -1,14 +1,18 @@
 """Orchestration overhead: the `grpo` Flyte workflow (local execution) vs the same iterations through `rlpipe run`.
 
 Both commands run the default pipeline with the same overrides (iterations, segment_size, a shared base-model cache
-so neither pays the warm-up SFT), each in a fresh process timed from the shell, A/B alternated over `--repeats`.
-Both chain segments the same way (one Ray session per segment, a checkpoint at each segment end), so the difference
-is what Flyte adds: task (de)serialisation, FlyteDirectory copies of checkpoints, Decks, the pyflyte start-up.
+so neither pays the warm-up SFT), each in a fresh process timed from the shell. Both chain segments the same way
+(one Ray session per segment, a checkpoint at each segment end), so the difference is what Flyte adds: the pyflyte
+start-up and workflow compile, task (de)serialisation, FlyteDirectory copies of checkpoints, Decks.
+
+The runs go in ABBA blocks (rlpipe, grpo, grpo, rlpipe; the next block grpo, rlpipe, rlpipe, grpo): on a shared
+machine whose speed drifts by 10-20% over minutes, a block's ratio sum(grpo) / sum(rlpipe) cancels a linear drift,
+which an A/B pair does not (the second run of a pair gets the drift). The overhead is the median over blocks.
 `grpo_granular` (one task per phase per iteration, each a fresh Ray session) runs fewer iterations once; its
 overhead is reported per iteration against `rlpipe run`'s per-iteration wall time.
 
-Run: `.venv/bin/python bench/orchestration.py` (about 20 minutes on 2 cores: 3 pairs of the README's 400-iteration
-run; `--iterations 60 --segment-size 20` for a shorter one, `--quick` for a smoke run).
+Run: `.venv/bin/python bench/orchestration.py` (about 20 minutes on 2 cores: 3 blocks of four of the README's
+400-iteration runs; `--iterations 60 --segment-size 20` for a shorter one, `--quick` for a smoke run).
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ def timed_run(mode: str, root: Path, name: str, iterations: int, segment_size: i
     return wall
 
 
+def abba_order(block: int) -> tuple[str, ...]:
+    """rlpipe, grpo, grpo, rlpipe; odd blocks mirrored, so each mode is first as often as last."""
+    return ("rlpipe", "grpo", "grpo", "rlpipe") if block % 2 == 0 else ("grpo", "rlpipe", "rlpipe", "grpo")
+
+
 def prebuild_base_model(root: Path) -> None:
     """Build the warm-started tiny model once into the shared cache, outside every timing."""
     from rlpipe.base_model import prepare_base_model
@@ -90,22 +99,28 @@ def main(argv: list[str] | None = None) -> int:
         "--segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, help="iterations per segment (Ray session)"
     )
     ap.add_argument("--granular-iterations", type=int, default=4, help="iterations of the one grpo_granular run")
-    ap.add_argument("--repeats", type=int, default=3, help="alternated rlpipe/grpo pairs (median reported)")
-    ap.add_argument("--quick", action="store_true", help="4 iterations, 1 repeat, 1 granular iteration (smoke)")
+    ap.add_argument("--blocks", type=int, default=3, help="ABBA blocks of 2 rlpipe + 2 grpo runs (median reported)")
+    ap.add_argument("--quick", action="store_true", help="4 iterations, 1 block, 1 granular iteration (smoke)")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--results", type=Path, default=None, help="markdown file to append to (default RESULTS.md)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.iterations, args.segment_size, args.granular_iterations, args.repeats = 4, 2, 1, 1
+        args.iterations, args.segment_size, args.granular_iterations, args.blocks = 4, 2, 1, 1
     walls: dict[str, list[float]] = {"rlpipe": [], "grpo": []}
+    block_overheads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="rlpipe-orch-") as tmp:
         root = Path(tmp)
         prebuild_base_model(root)
-        for r in range(args.repeats):
-            for mode in ("rlpipe", "grpo") if r % 2 == 0 else ("grpo", "rlpipe"):
-                walls[mode].append(timed_run(mode, root, f"{mode}-{r}", args.iterations, args.segment_size))
+        for b in range(args.blocks):
+            block: dict[str, list[float]] = {"rlpipe": [], "grpo": []}
+            for i, mode in enumerate(abba_order(b)):
+                wall = timed_run(mode, root, f"{mode}-{b}-{i}", args.iterations, args.segment_size)
+                block[mode].append(wall)
+                walls[mode].append(wall)
+            block_overheads.append(sum(block["grpo"]) / sum(block["rlpipe"]) - 1)
+            print(f"block {b}: grpo overhead {block_overheads[-1]:+.1%}", flush=True)
         granular = timed_run("granular", root, "granular-0", args.granular_iterations, args.segment_size)
-    overhead = median([g / p - 1 for g, p in zip(walls["grpo"], walls["rlpipe"], strict=True)])
+    overhead = median(block_overheads)
     per_it = median(walls["rlpipe"]) / args.iterations
     granular_per_it = granular / args.granular_iterations
     print(f"grpo workflow overhead vs rlpipe run: {overhead:+.1%} (target <= {TARGET:.0%})")
@@ -120,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     body = (
         f"Default pipeline (tiny model, built-in task), {args.iterations} iterations in segments of "
         f"{args.segment_size}, base model pre-built (shared cache), wall time of each command from the shell, "
-        f"{args.repeats} alternated rlpipe/grpo pairs (medians).\n\n"
+        f"{args.blocks} ABBA blocks (rlpipe, grpo, grpo, rlpipe, then the mirror), so {2 * args.blocks} runs of each "
+        "(medians).\n\n"
         + table(["command", "iterations", "wall (s)", "s / iteration"], rows)
-        + f"\n\n`grpo` overhead over `rlpipe run` (median of per-pair ratios): {overhead:+.1%}; target <= "
+        + f"\n\n`grpo` overhead over `rlpipe run` (median over blocks of sum(grpo) / sum(rlpipe) - 1; blocks: "
+        f"{', '.join(f'{o:+.1%}' for o in block_overheads)}): {overhead:+.1%}; target <= "
         f"{TARGET:.0%}: {verdict(overhead <= TARGET)}. `grpo_granular`: {granular_per_it / per_it:.1f}x the "
         "per-iteration wall time of `rlpipe run` (every phase is its own task and Ray session: start-up, model "
         "load and checkpoint round trips per phase; it exists for debugging, caching and per-phase lineage).\n"
