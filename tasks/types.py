@@ -13,11 +13,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args, get_origin
 
 import pandas as pd
 import pyarrow as pa
 from flytekit import kwtypes
+from flytekit.core.type_engine import DataclassTransformer, TypeEngine
+from flytekit.models.types import LiteralType
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.structured import StructuredDataset
 
@@ -173,3 +175,35 @@ class Checkpoint:
 
     def manifest_dict(self) -> dict:
         return json.loads(self.manifest)
+
+
+class CheckpointTransformer(DataclassTransformer):
+    """flytekit's dataclass transformer for `Checkpoint`, with the literal type built once instead of per call.
+
+    flytekit rebuilds a dataclass's JSON schema (mashumaro) in every `get_literal_type`, and calls it for every task
+    interface that names a Checkpoint and for every `Checkpoint | None` value it converts: ~0.4 s at workflow import
+    and ~0.07 s per segment, measured. Values and the literal type are exactly those of the stock transformer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._literal_type: LiteralType | None = None
+
+    @property
+    def name(self) -> str:
+        return "rlpipe-Checkpoint"
+
+    @property
+    def python_type(self) -> type:
+        return Checkpoint
+
+    def get_literal_type(self, t: type) -> LiteralType:
+        base = get_args(t)[0] if get_origin(t) is Annotated else t  # flytekit drops a dataclass's annotations too
+        if base is not Checkpoint:
+            return super().get_literal_type(t)
+        if self._literal_type is None:
+            self._literal_type = super().get_literal_type(Checkpoint)
+        return self._literal_type
+
+
+TypeEngine.register(CheckpointTransformer())

@@ -139,6 +139,40 @@ def test_rollout_batch_roundtrips_through_parquet_with_the_documented_types(tmp_
     )
 
 
+def test_checkpoint_transformer_is_the_stock_dataclass_one_built_once(tmp_path, monkeypatch):
+    from flytekit import FlyteContextManager
+    from flytekit.core.type_engine import DataclassTransformer, TypeEngine
+    from flytekit.types.directory import FlyteDirectory
+
+    from tasks.types import Checkpoint, CheckpointTransformer, SamplerState, SFTLoaderState
+
+    transformer = TypeEngine.get_transformer(Annotated[Checkpoint, CheckpointArtifact()])
+    assert isinstance(transformer, CheckpointTransformer)
+    # the registered literal type is exactly what flytekit's own transformer builds (interfaces do not change)
+    stock = DataclassTransformer().get_literal_type(Checkpoint)
+    fresh = CheckpointTransformer()
+    assert fresh.get_literal_type(Annotated[Checkpoint, CheckpointArtifact()]) == stock
+    TypeEngine.to_literal_type(Checkpoint)  # the registered instance builds it on first use
+    builds = []
+    monkeypatch.setattr(DataclassTransformer, "get_literal_type", lambda self, t: builds.append(t) or stock)
+    for t in (Checkpoint, Annotated[Checkpoint, CheckpointArtifact()], Checkpoint | None):
+        TypeEngine.to_literal_type(t)
+    assert builds == []  # cached
+    assert fresh.get_literal_type(SamplerState) is stock and builds == [SamplerState]  # other dataclasses: stock
+    monkeypatch.undo()
+
+    ckpt_dir = tmp_path / "step-000003"
+    ckpt_dir.mkdir()
+    value = Checkpoint(path=FlyteDirectory(str(ckpt_dir)), uri="s3://b/e/step-000003", experiment="e", step=3,
+                       iteration=3, sampler=SamplerState(epoch=1, total_consumed=24), sft_loader=SFTLoaderState())  # fmt: skip
+    ctx = FlyteContextManager.current_context()
+    lit = TypeEngine.to_literal(ctx, value, Checkpoint | None, TypeEngine.to_literal_type(Checkpoint | None))
+    back = TypeEngine.to_python_value(ctx, lit, Checkpoint | None)
+    assert (back.uri, back.step, back.sampler, back.sft_loader) == (value.uri, 3, value.sampler, SFTLoaderState())
+    none = TypeEngine.to_literal(ctx, None, Checkpoint | None, TypeEngine.to_literal_type(Checkpoint | None))
+    assert TypeEngine.to_python_value(ctx, none, Checkpoint | None) is None
+
+
 def test_missing_declared_column_is_an_error():
     from tasks.types import batch_to_arrow
 
