@@ -97,7 +97,8 @@ def metrics_dataset(rows: list[dict[str, float]]) -> StructuredDataset:
 
 
 def table_rows(table: StructuredDataset) -> list[dict[str, float]]:
-    """A metrics table back as rows; a NaN cell is kept (a metric can be NaN), `merge_metrics_row` skips it."""
+    """A metrics table back as rows. NaN cells stay (a metric can be NaN); `merge_metrics_row` lets none overwrite a
+    value."""
     return table.open(pd.DataFrame).all().to_dict("records")
 
 
