@@ -8,10 +8,10 @@ start-up and workflow compile, task (de)serialisation, FlyteDirectory copies of 
 The runs go in ABBA blocks (rlpipe, grpo, grpo, rlpipe; the next block grpo, rlpipe, rlpipe, grpo): on a shared
 machine whose speed drifts by 10-20% over minutes, a block's ratio sum(grpo) / sum(rlpipe) cancels a linear drift,
 which an A/B pair does not (the second run of a pair gets the drift). The overhead is the median over blocks.
-`grpo_granular` (one task per phase per iteration, each a fresh Ray session) runs fewer iterations once; its
+`grpo_granular` (one task per phase per iteration, each a fresh Ray session) runs fewer iterations, 3 times; its
 overhead is reported per iteration against `rlpipe run`'s per-iteration wall time.
 
-Run: `.venv/bin/python bench/orchestration.py` (about 20 minutes on 2 cores: 3 blocks of four of the README's
+Run: `.venv/bin/python bench/orchestration.py` (about 25 minutes on 2 cores: 3 blocks of four of the README's
 400-iteration runs; `--iterations 60 --segment-size 20` for a shorter one, `--quick` for a smoke run).
 """
 
@@ -98,14 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, help="iterations per segment (Ray session)"
     )
-    ap.add_argument("--granular-iterations", type=int, default=4, help="iterations of the one grpo_granular run")
+    ap.add_argument("--granular-iterations", type=int, default=4, help="iterations of each grpo_granular run")
+    ap.add_argument("--granular-repeats", type=int, default=3, help="grpo_granular runs (median reported)")
     ap.add_argument("--blocks", type=int, default=3, help="ABBA blocks of 2 rlpipe + 2 grpo runs (median reported)")
     ap.add_argument("--quick", action="store_true", help="4 iterations, 1 block, 1 granular iteration (smoke)")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--results", type=Path, default=None, help="markdown file to append to (default RESULTS.md)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.iterations, args.segment_size, args.granular_iterations, args.blocks = 4, 2, 1, 1
+        args.iterations, args.segment_size, args.blocks = 4, 2, 1
+        args.granular_iterations, args.granular_repeats = 1, 1
     walls: dict[str, list[float]] = {"rlpipe": [], "grpo": []}
     block_overheads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="rlpipe-orch-") as tmp:
@@ -119,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                 walls[mode].append(wall)
             block_overheads.append(sum(block["grpo"]) / sum(block["rlpipe"]) - 1)
             print(f"block {b}: grpo overhead {block_overheads[-1]:+.1%}", flush=True)
-        granular = timed_run("granular", root, "granular-0", args.granular_iterations, args.segment_size)
+        granular = median(
+            [
+                timed_run("granular", root, f"granular-{r}", args.granular_iterations, args.segment_size)
+                for r in range(args.granular_repeats)
+            ]
+        )
     overhead = median(block_overheads)
     per_it = median(walls["rlpipe"]) / args.iterations
     granular_per_it = granular / args.granular_iterations
@@ -130,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ["rlpipe run", args.iterations, median(walls["rlpipe"]), median(walls["rlpipe"]) / args.iterations],
         ["pyflyte run grpo", args.iterations, median(walls["grpo"]), median(walls["grpo"]) / args.iterations],
-        ["pyflyte run grpo_granular (1 run)", args.granular_iterations, granular, granular_per_it],
+        [
+            f"pyflyte run grpo_granular ({args.granular_repeats} runs)",
+            args.granular_iterations,
+            granular,
+            granular_per_it,
+        ],
     ]
     body = (
         f"Default pipeline (tiny model, built-in task), {args.iterations} iterations in segments of "
