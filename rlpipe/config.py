@@ -72,12 +72,58 @@ class SFTConfig(_Strict):
     loss_weight: float = Field(1.0, gt=0, description="Multiplier on the SFT cross-entropy.")
 
 
+class VLLMConfig(_Strict):
+    """The vLLM server rlpipe starts for `rollout.engine=vllm` when no `rollout.server_url` is given."""
+
+    python: str | None = Field(
+        None, description="Python of the vLLM venv; None: $RLPIPE_VLLM_PYTHON, else .venv-vllm/bin/python."
+    )
+    host: str = Field("127.0.0.1", description="Interface the server listens on.")
+    port: int = Field(0, ge=0, le=65535, description="Port of the server (0 = a free port).")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + response the server accepts; None: what the run needs "
+        "(data.max_prompt_length + rollout.max_new_tokens)."
+    )
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of GPU memory a GPU server may take.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Wait this long for /health before failing.")
+    max_restarts: int = Field(2, ge=0, description="Restarts of a crashed server (from the last synced weights).")
+    extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments of the server.")
+
+
+class WeightSyncConfig(_Strict):
+    """How a server engine (vllm, sglang) is kept serving the current policy, and how that is verified."""
+
+    method: Literal["disk", "nccl"] = Field(
+        "disk", description="disk: safetensors in `dir`, reloaded in place; nccl: vLLM's NCCL transfer (GPU)."
+    )
+    dir: str | None = Field(
+        None, description="Where published weights go; the server must see it. None: <output_dir>/serving."
+    )
+    probe_sequences: int = Field(4, ge=1, description="Prompt + response sequences scored after every sync.")
+    probe_tolerance: float | None = Field(
+        None, gt=0, description="Max |logprob difference| engine vs trainer on the probe; None: 1e-3 fp32, 0.1 bf16."
+    )
+    bucket_mb: int = Field(256, ge=1, description="NCCL transfer: tensors gathered and sent per bucket (MiB).")
+
+
 class RolloutConfig(_Strict):
     """Sampling: how many prompts per iteration, how many responses per prompt, how they are scored."""
 
-    engine: Literal["hf", "openai"] = Field("hf", description="hf: batched generate in the workers; openai: a server.")
-    server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible server (engine=openai).")
-    server_model: str | None = Field(None, description="Model name sent to the server (engine=openai).")
+    engine: Literal["hf", "vllm", "sglang", "openai"] = Field(
+        "hf",
+        description="hf: generate in the workers; vllm: a vLLM server rlpipe starts (or `server_url`) and keeps in "
+        "sync; sglang: an SGLang server at `server_url`, kept in sync; openai: any OpenAI-compatible server that is "
+        "NOT synced (off-policy after the first update: needs algo.rollout_is.enabled).",
+    )
+    server_url: str | None = Field(
+        None, description="Base URL of the server (openai, sglang; vllm: connect instead of starting one)."
+    )
+    server_model: str | None = Field(None, description="Model name sent to the server (default: 'policy').")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The managed vLLM server (engine=vllm).")
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="Weight sync of server engines (vllm, sglang)."
+    )
     prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per RL iteration (global).")
     n: int = Field(8, ge=1, description="Responses per prompt: the group size of group-relative advantages.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
@@ -223,8 +269,22 @@ class PipelineConfig(_Strict):
                 f"train.pack_max_length={self.train.pack_max_length} cannot hold the longest sequence "
                 f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
             )
-        if self.rollout.engine == "openai" and not self.rollout.server_url:
-            raise ValueError("rollout.engine=openai needs rollout.server_url")
+        if self.rollout.engine in ("openai", "sglang") and not self.rollout.server_url:
+            raise ValueError(f"rollout.engine={self.rollout.engine} needs rollout.server_url")
+        if self.rollout.engine == "openai" and not self.algo.rollout_is.enabled:
+            raise ValueError(
+                "rollout.engine=openai never gives the server new weights, so every rollout after the first update "
+                "is off-policy: set algo.rollout_is.enabled=true to correct for it (see mismatch/* metrics), or use "
+                "rollout.engine=vllm / sglang, which sync the weights after every update"
+            )
+        max_model_len = self.rollout.vllm.max_model_len
+        if self.rollout.engine == "vllm" and max_model_len is not None and max_model_len < longest:
+            raise ValueError(
+                f"rollout.vllm.max_model_len={self.rollout.vllm.max_model_len} is shorter than the longest sequence "
+                f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
+            )
+        if self.rollout.engine == "sglang" and self.rollout.weight_sync.method == "nccl":
+            raise ValueError("rollout.weight_sync.method=nccl is vLLM's transfer; sglang syncs from disk")
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(
                 f"algo.advantage={self.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)"

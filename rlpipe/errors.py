@@ -39,3 +39,7 @@ class RolloutServerError(RlpipeError):
 
 class RecoverableError(RlpipeError):
     """A failure a retry can fix (a Ray actor or node lost); the Flyte layer maps it to a recoverable exception."""
+
+
+class WeightSyncError(RolloutServerError):
+    """The inference engine does not serve the policy's weights after a sync (a partial or failed load)."""

@@ -30,7 +30,7 @@ from rlpipe.rollout.engine import SamplingParams
 from rlpipe.rollout.judges import get_judge
 from rlpipe.train import checkpoint as ckpt
 from rlpipe.train.controller import TrainingController
-from rlpipe.train.lineage import BaseModelRef, DataRef, build_manifest, model_fingerprint
+from rlpipe.train.lineage import BaseModelRef, DataRef, ServedRef, build_manifest, model_fingerprint
 
 
 @dataclass
@@ -43,6 +43,7 @@ class LoopState:
     consumed_tokens: int = 0
     sft_steps: int = 0
     data: list[dict] = field(default_factory=list)  # data consumed since the last checkpoint (lineage)
+    served: list[dict] = field(default_factory=list)  # weights a server engine served since then (lineage)
 
 
 class RLSession:
@@ -66,12 +67,17 @@ class RLSession:
         if checkpoint is not None:  # fail before any worker starts
             ckpt.verify_checkpoint(checkpoint, expect_model_fingerprint=model_fingerprint(model_dir))
         self.controller = TrainingController(cfg, model_dir)
-        if checkpoint is not None:
-            try:
+        self.engine_sync = None  # rollout.engine = vllm | sglang: the synced server engine
+        try:
+            if checkpoint is not None:
                 self._resume(checkpoint)
-            except BaseException:
-                self.controller.shutdown()  # a failed resume must not hold the workers' CPUs
-                raise
+            if cfg.rollout.engine in ("vllm", "sglang"):
+                from rlpipe.serving import build_engine_sync
+
+                self.engine_sync = build_engine_sync(cfg, model_dir, self.controller, self.tokenizer, self.prompts, log)
+        except BaseException:
+            self.controller.shutdown()  # a failed resume or server start must not hold the workers' CPUs
+            raise
 
     # ------------------------------------------------------------------ data
     def _data_file(self, name: str, kind: str, n: int, seed: int) -> Path:
@@ -162,7 +168,7 @@ class RLSession:
         indices = self.sampler.next_batch()
         examples = [self.prompts[i] for i in indices]
         params = self.sampling_params(iteration)
-        gens = self._generate([ex.prompt_ids for ex in examples], params)
+        gens, engine_stats = self._generate([ex.prompt_ids for ex in examples], params)
         texts, rewards = score_generations(examples, gens, self._decode, get_judge(self.cfg.rollout.judge))
         batch, stats = build_rollout_batch(
             examples, gens, texts, rewards, params.n, self.cfg.algo.advantage,
@@ -171,17 +177,37 @@ class RLSession:
         elapsed = time.perf_counter() - start
         gen_tokens = sum(len(g.response_ids) for g in gens)
         stats.update({"rollout_time_s": elapsed, "rollout_tokens_per_s": gen_tokens / elapsed if elapsed else 0.0})
+        stats.update(engine_stats)
         self.state.consumed_prompts += len(indices)
+        if self.cfg.rollout.engine != "hf":
+            record_served(self.state.served, iteration, self._engine_name(), int(engine_stats["engine/weight_version"]))
         record_data(self.state.data, "prompts", iteration, str(self.prompts.path), self.prompts.content_hash)
         return batch, stats
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams):
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list, dict[str, float]]:
+        """Generations and `engine/*` metrics: the version a server served and what syncing it cost."""
+        version = self.state.optimizer_step  # the policy's weight version: every RL or SFT step changes it
+        if self.engine_sync is not None:
+            gens = self.engine_sync.generate(prompts, params, version)
+            return gens, self.engine_sync.stats.row(self.engine_sync.engine.served_version)
         if self.cfg.rollout.engine == "openai":
             from rlpipe.rollout.openai_engine import OpenAIRolloutEngine
 
-            engine = OpenAIRolloutEngine(self.cfg.rollout.server_url, self.cfg.rollout.server_model or "default")
-            return engine.generate(prompts, params)
-        return self.controller.generate(prompts, params)
+            r = self.cfg.rollout
+            engine = OpenAIRolloutEngine(
+                r.server_url, r.server_model or "default", eos_token_id=self.tokenizer.eos_token_id
+            )
+            # Never synced: it serves the weights it was started with, `version` optimizer steps behind.
+            return engine.generate(prompts, params), {
+                "engine/weight_version": -1.0,
+                "engine/weight_lag": float(version),
+            }
+        return self.controller.generate(prompts, params), {}
+
+    def _engine_name(self) -> str:
+        if self.engine_sync is not None:
+            return self.engine_sync.engine.name
+        return f"{self.cfg.rollout.engine} {self.cfg.rollout.server_url}"
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -227,7 +253,7 @@ class RLSession:
         """Greedy accuracy on held-out prompts (the number a user watches besides training reward)."""
         data = self._load_eval_prompts()
         examples = [data[i] for i in range(len(data))]
-        gens = self._generate([ex.prompt_ids for ex in examples], self.sampling_params(0, eval_mode=True))
+        gens, _ = self._generate([ex.prompt_ids for ex in examples], self.sampling_params(0, eval_mode=True))
         _, rewards = score_generations(examples, gens, self._decode, get_judge(self.cfg.rollout.judge))
         return {"eval/reward_mean": float(np.mean(rewards)), "eval/num_prompts": float(len(examples))}
 
@@ -249,6 +275,7 @@ class RLSession:
                 base_model=BaseModelRef(path=self.model_dir, fingerprint=model_fingerprint(self.model_dir)),
                 parent=self.parent,
                 data=[DataRef(**d) for d in self.state.data],
+                served=[ServedRef(**d) for d in self.state.served],
                 config=self.cfg.model_dump(mode="json"),
                 metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
                 phase=phase,
@@ -259,6 +286,7 @@ class RLSession:
             raise
         self.parent = _absolute(final)  # a relative root must still resolve when read from elsewhere
         self.state.data = []
+        self.state.served = []
         return str(final)
 
     def _train_state(self, worker_states: list[dict]) -> ckpt.TrainState:
@@ -296,7 +324,11 @@ class RLSession:
         self.parent = _absolute(path)
 
     def close(self) -> None:
-        self.controller.shutdown()
+        try:
+            if self.engine_sync is not None:
+                self.engine_sync.close()
+        finally:
+            self.controller.shutdown()
 
 
 def record_data(data: list[dict], role: str, iteration: int, path: str, sha256: str | None) -> None:
@@ -310,6 +342,17 @@ def record_data(data: list[dict], role: str, iteration: int, path: str, sha256: 
                 return
             break
     data.append({"name": f"{role}@{iteration}", "path": path, "sha256": sha256})
+
+
+def record_served(served: list[dict], iteration: int, engine: str, version: int) -> None:
+    """Note that `iteration`'s rollouts came from `engine` serving weight `version`; consecutive iterations from the
+    same engine share one lineage entry."""
+    if served and served[-1]["engine"] == engine:
+        start = served[-1]["iterations"].split("-")[0]
+        served[-1]["iterations"] = f"{start}-{iteration}"
+        served[-1]["weight_versions"].append(version)
+        return
+    served.append({"iterations": str(iteration), "engine": engine, "weight_versions": [version]})
 
 
 def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> list[list[torch.Tensor]] | None:

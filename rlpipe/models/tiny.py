@@ -25,8 +25,11 @@ class TinyModelConfig(BaseModel):
     arch: Literal["qwen2", "llama"] = Field("qwen2", description="HF architecture family of the config.")
     hidden_size: int = Field(64, gt=0, description="Width of the residual stream.")
     num_layers: int = Field(2, gt=0, description="Number of decoder layers.")
-    num_heads: int = Field(4, gt=0, description="Attention (query) heads; must divide hidden_size.")
-    num_kv_heads: int = Field(2, gt=0, description="Key/value heads (GQA); must divide num_heads.")
+    num_heads: int = Field(
+        2, gt=0, description="Attention (query) heads; must divide hidden_size. 2 gives head_dim 32, the smallest "
+        "vLLM's CPU attention supports (rollout.engine=vllm)."
+    )
+    num_kv_heads: int = Field(1, gt=0, description="Key/value heads (GQA); must divide num_heads.")
     intermediate_size: int = Field(256, gt=0, description="Hidden width of the SwiGLU MLP.")
     max_position_embeddings: int = Field(256, gt=0, description="Longest sequence (prompt + response) supported.")
     tie_word_embeddings: bool = Field(True, description="Share input embedding and LM head weights.")

@@ -172,6 +172,10 @@ class TrainingController:
     def save_hf(self, out_dir: str) -> None:
         self._all("save_hf", out_dir)
 
+    def export_serving(self, root: str, version: int) -> str:
+        """Write the current policy as a serving directory for a server engine; returns its path."""
+        return self._all("export_serving", root, version)[0]
+
     def weights_digest(self) -> str:
         return self._all("weights_digest")[0]
 

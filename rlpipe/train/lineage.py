@@ -64,6 +64,19 @@ class DataRef(BaseModel):
     sha256: str | None = Field(default=None, description="Content hash (sha256_file / sha256_tree); null if unknown.")
 
 
+class ServedRef(BaseModel):
+    """Which weights a server engine served for a run of rollouts (rollout.engine = vllm/sglang/openai)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iterations: str = Field(description="RL iterations whose rollouts it produced, e.g. '3-7'.")
+    engine: str = Field(description="Engine and address, e.g. 'vllm http://127.0.0.1:8000'.")
+    weight_versions: list[int] = Field(
+        description="Policy version (optimizer step) served per iteration, verified by the sync probe; -1 = never "
+        "synced (engine=openai serves the weights it was started with)."
+    )
+
+
 class CodeVersion(BaseModel):
     """Which rlpipe code wrote the checkpoint."""
 
@@ -88,6 +101,9 @@ class Manifest(BaseModel):
     )
     base_model: BaseModelRef = Field(description="Base model the chain started from.")
     data: list[DataRef] = Field(default_factory=list, description="Data consumed since the parent checkpoint.")
+    served: list[ServedRef] = Field(
+        default_factory=list, description="Weights the rollout server served since the parent (server engines)."
+    )
     config_hash: str | None = Field(default=None, description="stable_hash() of the pipeline config dump.")
     code_version: CodeVersion = Field(description="rlpipe version and git commit.")
     created_at: str = Field(description="UTC creation time, ISO 8601.")
@@ -148,6 +164,7 @@ def build_manifest(
     base_model: BaseModelRef | dict[str, Any],
     parent: str | os.PathLike[str] | None = None,
     data: list[DataRef | dict[str, Any]] | None = None,
+    served: list[ServedRef | dict[str, Any]] | None = None,
     config: Any = None,
     metrics: dict[str, float] | None = None,
     phase: str | None = None,
@@ -165,6 +182,7 @@ def build_manifest(
         parent=None if parent is None else os.fspath(parent),
         base_model=base_model,
         data=list(data or []),
+        served=list(served or []),
         config_hash=None if config is None else stable_hash(config),
         code_version=code_version(),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),

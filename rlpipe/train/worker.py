@@ -24,6 +24,7 @@ from rlpipe.models.loading import load_model
 from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.hf_engine import HFRolloutEngine
+from rlpipe.rollout.weight_sync import serving_state_dict, write_serving_dir
 from rlpipe.train import checkpoint as ckpt
 from rlpipe.train.distributed import (
     all_reduce_grads,
@@ -328,6 +329,19 @@ class TrainingWorker:
             export = load_model(self.model_dir, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code)
             copy_weights_into(export, state)
             export.save_pretrained(out_dir, safe_serialization=True)
+
+    def export_serving(self, root: str, version: int) -> str | None:
+        """Publish the policy for a server engine: a complete HF dir under `root` (a collective; rank 0 writes).
+
+        The LM head is written explicitly even when tied (`serving_state_dict` says why)."""
+        state = full_hf_state_dict(self.policy)
+        if self.rank != 0:
+            return None
+        hf = self.policy.hf
+        names = {id(module): name for name, module in hf.named_modules()}
+        embed, head = names.get(id(hf.get_input_embeddings())), names.get(id(hf.get_output_embeddings()))
+        state = serving_state_dict(state, embed and f"{embed}.weight", head and f"{head}.weight")
+        return str(write_serving_dir(state, self.model_dir, root, version))
 
     def weights_digest(self) -> str:
         """sha256 of the full weights (a collective): resume/determinism tests compare runs with it."""

@@ -34,7 +34,8 @@ def test_build_matches_config(arch, cls):
     m = build_tiny_model(cfg, vocab_size=40, seed=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     assert type(m).__name__ == cls
     c = m.config
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (64, 2, 4, 2)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (64, 2, 2, 1)
+    assert c.hidden_size // c.num_attention_heads == 32  # the smallest head_dim vLLM CPU attention supports
     assert (c.intermediate_size, c.max_position_embeddings, c.vocab_size) == (256, 256, 40)
     assert m.get_output_embeddings().weight is m.get_input_embeddings().weight  # tied
     assert (c.pad_token_id, c.bos_token_id, c.eos_token_id) == (0, 1, 2)

@@ -1,0 +1,128 @@
+"""`EngineSync`: keeps a `SyncableEngine` serving the trainer's current weights, verified, across restarts.
+
+The session calls `generate(prompts, params, version)` with the policy's version (its optimizer step). If the engine
+serves another version, the policy is published (`publish(version) -> dir`, a collective on the trainer) and loaded,
+then the probe is scored by both sides and compared. A managed server that died is restarted from the last
+published weights, re-verified, and the request retried once; an unmanaged one fails with its error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlpipe.errors import RolloutServerError
+from rlpipe.rollout.engine import Generation, SamplingParams
+from rlpipe.rollout.weight_sync import ProbeSequence, check_probe, compare_probe
+
+Publish = Callable[[int], str]
+TrainerProbe = Callable[[list[ProbeSequence]], list[list[float]]]
+
+
+@dataclass
+class SyncStats:
+    """What the last `generate` did about weights (one metrics row's `engine/*` columns)."""
+
+    syncs: int = 0
+    publish_time_s: float = 0.0
+    load_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    probe_max_abs_diff: float = 0.0
+    restarts: int = 0
+
+    def row(self, version: int | None) -> dict[str, float]:
+        return {
+            "engine/weight_version": float(-1 if version is None else version),
+            "engine/syncs": float(self.syncs),
+            "engine/sync_time_s": self.publish_time_s + self.load_time_s + self.verify_time_s,
+            "engine/publish_time_s": self.publish_time_s,
+            "engine/load_time_s": self.load_time_s,
+            "engine/verify_time_s": self.verify_time_s,
+            "engine/probe_max_abs_diff": self.probe_max_abs_diff,
+            "engine/restarts": float(self.restarts),
+        }
+
+
+class EngineSync:
+    """The driver-side owner of a syncable engine: lazy, verified syncs and crash recovery."""
+
+    def __init__(
+        self,
+        engine,
+        publish: Publish,
+        trainer_probe: TrainerProbe,
+        probe: list[ProbeSequence],
+        tolerance: float,
+        max_restarts: int = 2,
+        log=print,
+    ):
+        self.engine = engine
+        self.publish = publish
+        self.trainer_probe = trainer_probe
+        self.probe = probe
+        self.tolerance = tolerance
+        self.max_restarts = max_restarts
+        self.log = log
+        self.restarts = 0
+        self.stats = SyncStats()
+        self._probe_cache: tuple[int, list[list[float]]] | None = None  # trainer logprobs of the probe per version
+
+    def ensure_current(self, version: int) -> None:
+        """Publish and load `version` unless the engine already serves it (verified)."""
+        if self.engine.served_version == version:
+            return
+        start = time.perf_counter()
+        serving_dir = self.publish(version)
+        published = time.perf_counter()
+        self.engine.load_weights(serving_dir, version)
+        loaded = time.perf_counter()
+        self.verify(version)
+        self.stats.syncs += 1
+        self.stats.publish_time_s += published - start
+        self.stats.load_time_s += loaded - published
+        self.stats.verify_time_s += time.perf_counter() - loaded
+
+    def verify(self, version: int) -> None:
+        """Score the probe on the engine and (once per version) on the trainer; raise `WeightSyncError` if apart."""
+        if self._probe_cache is None or self._probe_cache[0] != version:
+            self._probe_cache = (version, self.trainer_probe(self.probe))
+        engine_lp = [self.engine.score(p.prompt_ids, p.response_ids) for p in self.probe]
+        result = compare_probe(engine_lp, self._probe_cache[1])
+        self.stats.probe_max_abs_diff = result.max_abs_diff
+        try:
+            check_probe(result, self.tolerance, self.engine.name, version)
+        except BaseException:
+            self.engine.served_version = None  # never trust these weights again without a new load
+            raise
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Generation]:
+        """Sample from the engine serving `version`; a dead managed server is restarted (bounded) and retried."""
+        self.stats = SyncStats()
+        while True:
+            try:
+                self.ensure_current(version)
+                return self.engine.generate(prompts, params)
+            except RolloutServerError as exc:
+                if not self._should_restart(exc):
+                    raise
+                self.restarts += 1
+                self.stats.restarts += 1
+                self.log(f"{self.engine.name} failed ({exc}); restarting it ({self.restarts}/{self.max_restarts})")
+                self.engine.restart()
+
+    def _should_restart(self, exc: RolloutServerError) -> bool:
+        from rlpipe.errors import WeightSyncError
+
+        if isinstance(exc, WeightSyncError) or not getattr(self.engine, "restartable", False):
+            return False
+        if self.engine.alive():
+            return False  # a live server that errs is a bug to report, not a crash to paper over
+        if self.restarts >= self.max_restarts:
+            raise RolloutServerError(
+                f"{self.engine.name} died again after {self.restarts} restarts; giving up: {exc}"
+            ) from exc
+        return True
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,201 @@
+"""The weight-sync contract between the trainer and an inference engine, and its verification.
+
+An engine that serves the policy from its own copy of the weights (a vLLM or SGLang server) must be told about
+every update, or it samples from a stale policy while the trainer treats the samples as on-policy: a silent bug.
+The contract:
+
+* the trainer's weights carry a version (rlpipe uses the optimizer step: RL and SFT steps both change weights);
+* before a rollout, if the engine's served version differs, the policy is published (`write_serving_dir`: a
+  complete HF directory with safetensors; on GPUs the NCCL stream of `rlpipe.rollout.nccl_transfer`) and the
+  engine loads it (`SyncableEngine.load_weights`: pause, load, reset the prefix cache, resume);
+* the load is never trusted: a fixed probe (prompt + response token ids) is scored by the engine and by the trainer
+  and compared (`compare_probe`); beyond the tolerance a `WeightSyncError` names the engine, version and max
+  difference. This catches partial loads, e.g. vLLM skipping a tied LM head (`serving_state_dict` writes
+  `lm_head.weight` explicitly for that reason).
+
+Several optimizer steps between two rollouts cost one sync: syncs are lazy, done when a rollout needs the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from rlpipe.errors import WeightSyncError
+from rlpipe.rollout.engine import Generation, SamplingParams
+
+# Files of a model directory that the server needs besides the weights (config, tokenizer, generation defaults).
+_MODEL_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+WEIGHTS_FILE = "model.safetensors"
+VERSION_FILE = "rlpipe_weight_version.json"
+
+
+@runtime_checkable
+class SyncableEngine(Protocol):
+    """A rollout engine with its own copy of the weights that can be told to load new ones and asked what it serves."""
+
+    name: str  # for error messages and metrics, e.g. "vllm http://127.0.0.1:8000"
+    served_version: int | None  # the version of the last verified load; None before the first
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+    def load_weights(self, serving_dir: str, version: int) -> None:
+        """Pause generation, load the weights of `serving_dir`, reset cached KV of the old weights, resume."""
+        ...
+
+    def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """The engine's log-probability of each response token given the prompt and the tokens before it (T=1)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProbeSequence:
+    """A fixed prompt + response the engine and the trainer both score after every sync."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """How far the engine's logprobs of the probe are from the trainer's (absolute per-token differences)."""
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    tokens: int
+
+
+def build_probe(
+    prompts: list[list[int]], vocab_size: int, num_sequences: int, response_length: int, seed: int = 0
+) -> list[ProbeSequence]:
+    """`num_sequences` prompts of the dataset, each with a seeded pseudo-random response of `response_length` ids.
+
+    The response tokens avoid the lowest ids (pad/bos/eos of most tokenizers live there) so that no stop rule of the
+    engine can cut the scored sequence short.
+    """
+    if not prompts:
+        raise WeightSyncError("weight-sync probe: the dataset has no prompts to build a probe from")
+    gen = torch.Generator().manual_seed(seed)
+    low = min(3, vocab_size - 1)
+    probe = []
+    for i in range(num_sequences):
+        response = torch.randint(low, vocab_size, (response_length,), generator=gen).tolist()
+        probe.append(ProbeSequence(list(prompts[i % len(prompts)]), response))
+    return probe
+
+
+def compare_probe(engine_logprobs: list[list[float]], trainer_logprobs: list[list[float]]) -> ProbeResult:
+    """Per-token absolute differences between the engine's and the trainer's logprobs of the same probe tokens."""
+    if len(engine_logprobs) != len(trainer_logprobs):
+        raise WeightSyncError(
+            f"weight-sync probe: engine scored {len(engine_logprobs)} sequences, trainer {len(trainer_logprobs)}"
+        )
+    diffs: list[float] = []
+    for i, (e, t) in enumerate(zip(engine_logprobs, trainer_logprobs, strict=True)):
+        if len(e) != len(t):
+            raise WeightSyncError(f"weight-sync probe: sequence {i}: engine gave {len(e)} logprobs, trainer {len(t)}")
+        diffs += [abs(float(a) - float(b)) for a, b in zip(e, t, strict=True)]
+    if not diffs:
+        raise WeightSyncError("weight-sync probe: no tokens to compare")
+    bad = [d for d in diffs if d != d]  # NaN never passes a tolerance check
+    worst = float("inf") if bad else max(diffs)
+    return ProbeResult(max_abs_diff=worst, mean_abs_diff=sum(diffs) / len(diffs), tokens=len(diffs))
+
+
+def check_probe(result: ProbeResult, tolerance: float, engine: str, version: int) -> None:
+    """Raise `WeightSyncError` when the engine's logprobs are further from the trainer's than `tolerance` allows."""
+    if not result.max_abs_diff <= tolerance:
+        raise WeightSyncError(
+            f"rollout engine {engine} does not serve the policy's weights after syncing version {version}: "
+            f"max |logprob difference| on the probe is {result.max_abs_diff:.3g} (mean {result.mean_abs_diff:.3g} "
+            f"over {result.tokens} tokens), tolerance {tolerance:g}. A partial or failed load (e.g. a tied LM head "
+            "the server did not reload), a dtype the engine computes differently, or a different model in the "
+            "server; rollouts from it would not be on-policy."
+        )
+
+
+def default_probe_tolerance(dtype: str) -> float:
+    """Max per-token |logprob| difference accepted after a sync: float32 engines match the trainer to ~1e-5
+    (measured: 1e-6 on the tiny default with vLLM CPU); bf16/fp16 kernels differ by up to a few 1e-2."""
+    return 1e-3 if dtype in ("float32", "fp32") else 0.1
+
+
+def serving_state_dict(
+    state: dict[str, torch.Tensor], input_embedding_key: str | None, output_embedding_key: str | None
+) -> dict[str, torch.Tensor]:
+    """The tensors an engine must load: every weight, and the LM head written explicitly even when it is tied.
+
+    With `tie_word_embeddings`, HF checkpoints omit `lm_head.weight`; vLLM's in-place reload then leaves its LM head
+    at the weights it started with (measured on vLLM 0.32: "ParallelLMHead: Failed to load weights", probe diff
+    0.89). Writing the head explicitly makes the reload complete (probe diff 1e-6).
+    """
+    out = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+    if output_embedding_key and output_embedding_key not in out and input_embedding_key in out:
+        out[output_embedding_key] = out[input_embedding_key]
+    # safetensors refuses tensors that share memory; a tied head becomes its own copy.
+    seen: dict[int, str] = {}
+    for name in list(out):
+        ptr = out[name].data_ptr()
+        if ptr in seen:
+            out[name] = out[name].clone()
+        else:
+            seen[ptr] = name
+    return out
+
+
+def write_serving_dir(
+    state: dict[str, torch.Tensor], model_dir: str | Path, root: str | Path, version: int, keep: int = 2
+) -> Path:
+    """Write a complete HF model directory (config, tokenizer, `model.safetensors`) for `version` under `root`.
+
+    Written to a temporary name and renamed, so an engine (or a restart) never reads a half-written directory.
+    Older versions beyond the newest `keep` are removed. Returns the directory.
+    """
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{version:08d}"
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for name in _MODEL_SIDE_FILES:
+            src = Path(model_dir) / name
+            if src.is_file():
+                shutil.copy2(src, tmp / name)
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
+        with open(tmp / WEIGHTS_FILE, "rb") as f:
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in sorted(p for p in root.iterdir() if p.name.startswith("v") and p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def serving_dir_version(path: str | Path) -> int | None:
+    """The version a serving directory holds (None if it is not one rlpipe wrote)."""
+    f = Path(path) / VERSION_FILE
+    return int(json.loads(f.read_text())["version"]) if f.is_file() else None

@@ -1,0 +1,95 @@
+"""The session's server engine (rollout.engine = vllm | sglang | openai), built from the config.
+
+vllm and sglang are synced: `EngineSync` publishes the policy through the training workers (`export_serving`) and
+verifies every load with a probe scored by the trainer. openai is not synced: it is accepted only with rollout IS on
+(config validation) and its metrics say how many optimizer steps the served weights lag behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlpipe.config import PipelineConfig
+from rlpipe.data.packing import SequenceItem, pack_sequences, scatter_to_rows
+from rlpipe.rollout.engine_sync import EngineSync
+from rlpipe.rollout.weight_sync import ProbeSequence, build_probe, default_probe_tolerance
+
+SERVED_MODEL_NAME = "policy"
+
+
+def serving_root(cfg: PipelineConfig) -> Path:
+    """Where published weights go (the server reads them): `weight_sync.dir`, else `<output_dir>/serving/<exp>`."""
+    sync = cfg.rollout.weight_sync
+    return Path(sync.dir) if sync.dir else Path(cfg.output_dir) / "serving" / cfg.experiment
+
+
+def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer, prompts, log=print) -> EngineSync:
+    """A verified, lazily synced engine for rollout.engine = vllm or sglang."""
+    r = cfg.rollout
+    name = r.server_model or SERVED_MODEL_NAME
+    if r.engine == "vllm":
+        engine = _vllm_engine(cfg, model_dir, name, tokenizer.eos_token_id, log)
+    else:
+        from rlpipe.rollout.sglang_engine import SGLangEngine
+
+        engine = SGLangEngine(r.server_url, name, tokenizer.eos_token_id)
+    root = serving_root(cfg)
+    probe = build_probe(
+        [prompts[i].prompt_ids for i in range(min(len(prompts), r.weight_sync.probe_sequences))],
+        vocab_size=len(tokenizer),
+        num_sequences=r.weight_sync.probe_sequences,
+        response_length=r.max_new_tokens,
+        seed=cfg.data.seed,
+    )
+    tolerance = r.weight_sync.probe_tolerance or default_probe_tolerance(cfg.model.dtype)
+    return EngineSync(
+        engine,
+        publish=lambda version: controller.export_serving(str(root.resolve()), version),
+        trainer_probe=lambda seqs: trainer_probe_logprobs(cfg, controller, tokenizer.pad_token_id, seqs),
+        probe=probe,
+        tolerance=tolerance,
+        max_restarts=cfg.rollout.vllm.max_restarts if r.engine == "vllm" else 0,
+        log=log,
+    )
+
+
+def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: int | None, log):
+    from rlpipe.rollout.vllm_engine import VLLMEngine
+    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, check_cpu_head_dim, resolve_vllm_python
+
+    r = cfg.rollout
+    if r.server_url:
+        return VLLMEngine(r.server_url, name, eos_token_id)
+    v = r.vllm
+    spec = VLLMServerSpec(
+        python=resolve_vllm_python(v.python),
+        model_dir=str(Path(model_dir).resolve()),
+        served_model_name=name,
+        host=v.host,
+        port=v.port,
+        dtype=cfg.model.dtype,
+        max_model_len=v.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens,
+        kv_cache_gib=v.kv_cache_gib,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        extra_args=list(v.extra_args),
+        log_path=str(Path(cfg.output_dir).resolve() / "logs" / f"vllm-{cfg.experiment}.log"),
+        startup_timeout_s=v.startup_timeout_s,
+    )
+    import torch
+
+    if not torch.cuda.is_available():
+        check_cpu_head_dim(spec.model_dir)
+    server = VLLMServer(spec, log=log)
+    server.start()
+    return VLLMEngine(None, name, eos_token_id, server=server)
+
+
+def trainer_probe_logprobs(
+    cfg: PipelineConfig, controller, pad_token_id: int, probe: list[ProbeSequence]
+) -> list[list[float]]:
+    """The trainer's logprobs (temperature 1) of every probe response token, through the same packed forward as
+    old logprobs."""
+    items = [SequenceItem(p.prompt_ids, p.response_ids, row=i) for i, p in enumerate(probe)]
+    packs = pack_sequences(items, cfg.train.pack_max_length, pad_token_id, cfg.dp_size, pad_to_max_length=False)
+    values = controller.compute_logprobs(packs)
+    return scatter_to_rows(packs, values, len(items))
