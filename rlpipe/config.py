@@ -81,8 +81,10 @@ class VLLMConfig(_Strict):
     host: str = Field("127.0.0.1", description="Interface the server listens on.")
     port: int = Field(0, ge=0, le=65535, description="Port of the server (0 = a free port).")
     max_model_len: int | None = Field(
-        None, ge=16, description="Longest prompt + response the server accepts; None: what the run needs "
-        "(data.max_prompt_length + rollout.max_new_tokens)."
+        None,
+        ge=16,
+        description="Longest prompt + response the server accepts; None: what the run needs "
+        "(data.max_prompt_length + rollout.max_new_tokens).",
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of GPU memory a GPU server may take.")

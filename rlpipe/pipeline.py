@@ -7,6 +7,7 @@ paths call the same `RLSession` methods in the same order, so on the same seed t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -99,6 +100,7 @@ def export_hf(cfg: PipelineConfig, checkpoint: str, out_dir: str) -> str:
 
 def iteration_step(session: RLSession, log: Log = print) -> dict[str, float]:
     """rollout -> (logprobs inside fit) -> train -> sft when due -> eval when due; one metrics row."""
+    start = time.perf_counter()
     iteration = session.state.iteration + 1
     batch, row = session.rollout()
     row.update(session.train(batch))
@@ -108,6 +110,7 @@ def iteration_step(session: RLSession, log: Log = print) -> dict[str, float]:
         row.update(session.evaluate())
     row["iteration"] = float(iteration)
     row["optimizer_step"] = float(session.state.optimizer_step)
+    row["iteration_time_s"] = time.perf_counter() - start
     return row
 
 

@@ -33,7 +33,9 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
         from rlpipe.rollout.sglang_engine import SGLangEngine
 
         engine = SGLangEngine(r.server_url, name, tokenizer.eos_token_id)
-    root = serving_root(cfg)
+    publish = _disk_publisher(controller, serving_root(cfg))
+    if r.weight_sync.method == "nccl":
+        publish = _nccl_publisher(controller, engine, r.weight_sync.bucket_mb << 20)
     probe = build_probe(
         [prompts[i].prompt_ids for i in range(min(len(prompts), r.weight_sync.probe_sequences))],
         vocab_size=len(tokenizer),
@@ -44,13 +46,32 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
     tolerance = r.weight_sync.probe_tolerance or default_probe_tolerance(cfg.model.dtype)
     return EngineSync(
         engine,
-        publish=lambda version: controller.export_serving(str(root.resolve()), version),
+        publish=publish,
         trainer_probe=lambda seqs: trainer_probe_logprobs(cfg, controller, tokenizer.pad_token_id, seqs),
         probe=probe,
         tolerance=tolerance,
         max_restarts=cfg.rollout.vllm.max_restarts if r.engine == "vllm" else 0,
         log=log,
     )
+
+
+def _disk_publisher(controller, root: Path):
+    """Publish = the workers write a serving directory; the engine reloads it."""
+    return lambda version: controller.export_serving(str(root.resolve()), version)
+
+
+def _nccl_publisher(controller, engine, bucket_bytes: int):
+    """Publish = the workers stream the weights into the server over NCCL; nothing for the engine to load after."""
+    from rlpipe.rollout.http_json import request_json
+
+    world = request_json(engine.base_url + "/get_world_size", None, 30.0, method="GET")["world_size"]
+    controller.init_weight_transfer(engine.base_url, int(world))
+
+    def publish(version: int) -> None:
+        controller.send_weights_nccl(version, bucket_bytes)
+        return None
+
+    return publish
 
 
 def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: int | None, log):
@@ -71,7 +92,8 @@ def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: i
         max_model_len=v.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens,
         kv_cache_gib=v.kv_cache_gib,
         gpu_memory_utilization=v.gpu_memory_utilization,
-        extra_args=list(v.extra_args),
+        extra_args=list(v.extra_args)
+        + (["--weight-transfer-config", '{"backend": "nccl"}'] if r.weight_sync.method == "nccl" else []),
         log_path=str(Path(cfg.output_dir).resolve() / "logs" / f"vllm-{cfg.experiment}.log"),
         startup_timeout_s=v.startup_timeout_s,
     )

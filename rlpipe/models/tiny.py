@@ -26,8 +26,10 @@ class TinyModelConfig(BaseModel):
     hidden_size: int = Field(64, gt=0, description="Width of the residual stream.")
     num_layers: int = Field(2, gt=0, description="Number of decoder layers.")
     num_heads: int = Field(
-        2, gt=0, description="Attention (query) heads; must divide hidden_size. 2 gives head_dim 32, the smallest "
-        "vLLM's CPU attention supports (rollout.engine=vllm)."
+        2,
+        gt=0,
+        description="Attention (query) heads; must divide hidden_size. 2 gives head_dim 32, the smallest "
+        "vLLM's CPU attention supports (rollout.engine=vllm).",
     )
     num_kv_heads: int = Field(1, gt=0, description="Key/value heads (GQA); must divide num_heads.")
     intermediate_size: int = Field(256, gt=0, description="Hidden width of the SwiGLU MLP.")

@@ -16,7 +16,7 @@ from rlpipe.errors import RolloutServerError
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.weight_sync import ProbeSequence, check_probe, compare_probe
 
-Publish = Callable[[int], str]
+Publish = Callable[[int], str | None]  # the serving dir, or None when streamed
 TrainerProbe = Callable[[list[ProbeSequence]], list[list[float]]]
 
 

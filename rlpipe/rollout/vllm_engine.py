@@ -79,9 +79,14 @@ class VLLMEngine:
             raise RolloutServerError(f"{self.name}: malformed prompt_logprobs answer ({e}): {answer!r:.300}") from e
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, serving_dir: str, version: int) -> None:
-        """Pause, reload `serving_dir` in place, drop cached KV, tag the version, resume (also on failure)."""
+    def load_weights(self, serving_dir: str | None, version: int) -> None:
+        """Pause, reload `serving_dir` in place, drop cached KV, tag the version, resume (also on failure).
+
+        `serving_dir=None`: the weights were already streamed (NCCL path, which pauses and resumes itself)."""
         start = time.perf_counter()
+        if serving_dir is None:
+            self.served_version, self.last_load_s = version, 0.0
+            return
         request_json(self._url("/pause?mode=wait"), {}, self.timeout_s)
         try:
             request_json(

@@ -176,6 +176,14 @@ class TrainingController:
         """Write the current policy as a serving directory for a server engine; returns its path."""
         return self._all("export_serving", root, version)[0]
 
+    def init_weight_transfer(self, base_url: str, inference_world_size: int) -> None:
+        """GPU path: rank 0 joins the vLLM server's NCCL group."""
+        self._all("init_weight_transfer", base_url, inference_world_size)
+
+    def send_weights_nccl(self, version: int, bucket_bytes: int) -> int:
+        """GPU path: stream the policy to the server; returns the number of tensors sent."""
+        return self._all("send_weights_nccl", version, bucket_bytes)[0]
+
     def weights_digest(self) -> str:
         return self._all("weights_digest")[0]
 

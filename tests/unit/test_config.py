@@ -59,3 +59,28 @@ def test_overrides_parse_yaml_values():
     assert cfg.rollout.n == 4 and cfg.experiment == "x"
     with pytest.raises(ConfigError):
         parse_override("no-equals-sign")
+
+
+def test_unsynced_openai_server_must_be_declared_off_policy():
+    with pytest.raises(ConfigError, match=r"off-policy.*algo\.rollout_is\.enabled"):
+        load_config(overrides={"rollout.engine": "openai", "rollout.server_url": "http://x:8000"})
+    cfg = load_config(
+        overrides={"rollout.engine": "openai", "rollout.server_url": "http://x:8000", "algo.rollout_is.enabled": True}
+    )
+    assert cfg.rollout.engine == "openai"
+
+
+def test_server_engines_validate_their_settings():
+    with pytest.raises(ConfigError, match="engine=sglang needs rollout.server_url"):
+        load_config(overrides={"rollout.engine": "sglang"})
+    with pytest.raises(ConfigError, match="nccl is vLLM's"):
+        load_config(
+            overrides={
+                "rollout.engine": "sglang",
+                "rollout.server_url": "http://x",
+                "rollout.weight_sync.method": "nccl",
+            }
+        )
+    with pytest.raises(ConfigError, match="max_model_len=16 is shorter"):
+        load_config(overrides={"rollout.engine": "vllm", "rollout.vllm.max_model_len": 16})
+    assert load_config(overrides={"rollout.engine": "vllm"}).rollout.weight_sync.method == "disk"

@@ -122,7 +122,9 @@ def test_normal_answer(server):
     assert req["path"] == "/v1/completions"
     b = req["body"]
     assert b["prompt"] == [100, 1, 2] and b["model"] == "policy" and b["n"] == 2 and b["max_tokens"] == 4
-    assert (b["temperature"], b["top_p"], b["top_k"], b["seed"]) == (0.7, 0.9, 5, 3)
+    assert (b["temperature"], b["top_p"], b["top_k"]) == (0.7, 0.9, 5)
+    seeds = {r["body"]["prompt"][0]: r["body"]["seed"] for r in server.requests}
+    assert seeds == {100: 3 * 1_000_003, 200: 3 * 1_000_003 + 1}  # one seed per prompt: uncorrelated samples
     assert b["return_tokens_as_token_ids"] is True and b["logprobs"] >= 0 and b["stop_token_ids"] == [7]
 
 
