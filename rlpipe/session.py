@@ -246,7 +246,7 @@ class RLSession:
                 experiment=self.cfg.experiment,
                 step=self.state.optimizer_step,
                 iteration=self.state.iteration,
-                base_model=BaseModelRef(path=self.model_dir, fingerprint=model_fingerprint(self.model_dir)),
+                base_model=BaseModelRef(path=_absolute(self.model_dir), fingerprint=model_fingerprint(self.model_dir)),
                 parent=self.parent,
                 data=[DataRef(**d) for d in self.state.data],
                 config=self.cfg.model_dump(mode="json"),
@@ -324,7 +324,8 @@ def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> lis
 
 
 def _absolute(location: str | Path) -> str:
-    """Lineage parents are stored absolute (URIs as they are): a manifest is read from any working directory."""
+    """Manifest locations (`parent`, `base_model.path`) are stored absolute (URIs as they are): a manifest is read
+    from any working directory."""
     text = str(location)
     return text if "://" in text else str(Path(text).resolve())
 
