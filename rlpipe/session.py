@@ -240,8 +240,9 @@ class RLSession:
             worker_states = self.controller.save(str(tmp / "weights"))
             ckpt.write_train_state(tmp, self._train_state(worker_states))
             ckpt.write_config(tmp, self.cfg.model_dump(mode="json"))
-            if self.cfg.checkpoint.save_hf:
-                self.controller.save_hf(str(tmp / "hf"))
+            if self.cfg.checkpoint.save_hf:  # a servable model dir: weights and the tokenizer (vLLM/SGLang need both)
+                self.controller.save_hf(str(tmp / ckpt.HF_DIR))
+                self.tokenizer.save_pretrained(str(tmp / ckpt.HF_DIR))
             manifest = build_manifest(
                 experiment=self.cfg.experiment,
                 step=self.state.optimizer_step,
