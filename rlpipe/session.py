@@ -266,13 +266,14 @@ class RLSession:
             worker_states = self.controller.save(str(tmp / "weights"))
             ckpt.write_train_state(tmp, self._train_state(worker_states))
             ckpt.write_config(tmp, self.cfg.model_dump(mode="json"))
-            if self.cfg.checkpoint.save_hf:
-                self.controller.save_hf(str(tmp / "hf"))
+            if self.cfg.checkpoint.save_hf:  # a servable model dir: weights and the tokenizer (vLLM/SGLang need both)
+                self.controller.save_hf(str(tmp / ckpt.HF_DIR))
+                self.tokenizer.save_pretrained(str(tmp / ckpt.HF_DIR))
             manifest = build_manifest(
                 experiment=self.cfg.experiment,
                 step=self.state.optimizer_step,
                 iteration=self.state.iteration,
-                base_model=BaseModelRef(path=self.model_dir, fingerprint=model_fingerprint(self.model_dir)),
+                base_model=BaseModelRef(path=_absolute(self.model_dir), fingerprint=model_fingerprint(self.model_dir)),
                 parent=self.parent,
                 data=[DataRef(**d) for d in self.state.data],
                 served=[ServedRef(**d) for d in self.state.served],
@@ -367,7 +368,8 @@ def _aligned(session: RLSession, batch: pd.DataFrame, column: str, items) -> lis
 
 
 def _absolute(location: str | Path) -> str:
-    """Lineage parents are stored absolute (URIs as they are): a manifest is read from any working directory."""
+    """Manifest locations (`parent`, `base_model.path`) are stored absolute (URIs as they are): a manifest is read
+    from any working directory."""
     text = str(location)
     return text if "://" in text else str(Path(text).resolve())
 

@@ -174,11 +174,16 @@ def evaluate(
     return {**out, "iteration": float(iteration)}
 
 
-@ray_task(cache=CACHE, retries=RETRIES, timeout=timedelta(hours=1))
+@ray_task(retries=RETRIES, timeout=timedelta(hours=1))
 def export_hf(
     config: str, base_model: FlyteDirectory, checkpoint: Checkpoint
 ) -> Annotated[FlyteDirectory, HFModelArtifact()]:
-    """Safetensors + tokenizer in HF layout (AutoModelForCausalLM, vLLM, SGLang load it)."""
+    """Safetensors + tokenizer in HF layout (AutoModelForCausalLM, vLLM, SGLang load it).
+
+    Not Flyte-cached: the export is written to a fresh temp dir; on a cluster Flyte uploads it to the raw output
+    store, but a local run keeps the local path, and a cache hit would hand a later run a dir that no longer exists.
+    An export is one weight load and save (seconds), so it simply runs again.
+    """
     import tempfile
 
     user, cfg, _ = engine_config(config, base_model)

@@ -187,12 +187,6 @@ class TrainingController:
     def weights_digest(self) -> str:
         return self._all("weights_digest")[0]
 
-    def offload(self) -> None:
-        self._all("offload")
-
-    def onload(self) -> None:
-        self._all("onload")
-
     def _unshard(self, results: list[list], total: int) -> list:
         out: list = [None] * total
         for rank in range(0, self.world_size, self.cfg.train.sp_size):

@@ -48,7 +48,7 @@ class BaseModelRef(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="Path or URI of the base model directory (HF format).")
+    path: str = Field(description="Absolute path or URI of the base model directory (HF format).")
     fingerprint: str | None = Field(
         default=None, description="model_fingerprint() of its config: guards against resuming onto another model."
     )

@@ -396,15 +396,6 @@ class TrainingWorker:
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()
 
-    def offload(self) -> None:
-        """Move model and optimizer state to CPU (frees accelerator memory for a colocated rollout engine)."""
-        _move_optimizer_state(self.optimizer, "cpu")
-        self.policy.to("cpu")
-
-    def onload(self) -> None:
-        self.policy.to(self.device)
-        _move_optimizer_state(self.optimizer, self.device)
-
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -442,10 +433,3 @@ def _peak_memory_mb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
-
-
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.to(device)

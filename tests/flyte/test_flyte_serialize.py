@@ -95,9 +95,10 @@ def test_retries_timeouts_cache_and_decks(package):
     assert seg["retries"]["retries"] == 3 and seg["timeout"] == "21600s" and seg["generatesDeck"] is True
     train = _task(package, "tasks.phases.train")["metadata"]
     assert train["retries"]["retries"] == 2 and train["generatesDeck"] is True and not train.get("discoverable")
-    for cached in ("tasks.phases.rollout", "tasks.phases.compute_logprobs", "tasks.phases.export_hf"):
+    for cached in ("tasks.phases.rollout", "tasks.phases.compute_logprobs"):
         meta = _task(package, cached)["metadata"]
         assert meta["discoverable"] is True and meta["discoveryVersion"] == "rlpipe-0.2"
+    assert not _task(package, "tasks.phases.export_hf")["metadata"].get("discoverable")  # a local temp dir output
 
 
 def test_images_are_the_deployment_images(package):

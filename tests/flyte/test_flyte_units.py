@@ -395,3 +395,38 @@ def test_base_model_is_rebuilt_when_its_directory_is_gone(tmp_path):
     shutil.rmtree(tmp_path / "out")
     second = Path(base_model(config=config).path)
     assert (second / "config.json").is_file()
+
+
+def test_export_hf_output_exists_on_every_run(tmp_path, monkeypatch):
+    """export_hf returns a fresh temp dir; while it was Flyte-cached, a second run with the same inputs got the first
+    run's path back from the local cache even after that dir was gone (no Ray: the export itself is stubbed)."""
+    import json
+    import shutil
+
+    import ray
+    from flytekit.types.directory import FlyteDirectory
+
+    import tasks.common as common
+    import tasks.phases as phases
+    from rlpipe.config import load_config
+    from tasks.types import Checkpoint
+    from tests.conftest import tiny_overrides
+
+    def fake_export(cfg, checkpoint, out_dir):
+        (Path(out_dir) / "config.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(common, "ensure_ray", lambda: None)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(phases.pipeline, "export_hf", fake_export)
+    for name in ("model", "ckpt"):
+        (tmp_path / name).mkdir()
+    config = json.dumps(load_config(overrides=tiny_overrides(tmp_path)).model_dump(mode="json"), sort_keys=True)
+    ckpt = Checkpoint(path=FlyteDirectory(str(tmp_path / "ckpt")), uri=str(tmp_path / "ckpt"), experiment="e",
+                      step=1, iteration=1)  # fmt: skip
+    kwargs = dict(config=config, base_model=FlyteDirectory(str(tmp_path / "model")), checkpoint=ckpt)
+    first = Path(phases.export_hf(**kwargs).path)
+    assert (first / "config.json").is_file()
+    shutil.rmtree(first)
+    second = Path(phases.export_hf(**kwargs).path)
+    assert (second / "config.json").is_file()
