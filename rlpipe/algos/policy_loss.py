@@ -10,7 +10,10 @@ loss is 0 outside ``mask``. Pass it to ``aggregate``; reduce/merge the metrics o
 Metrics (fractions over masked tokens): ``clip_frac_low`` / ``clip_frac_high`` (the clipped branch of the PPO max is
 strictly larger, ratio below ``1 - clip_low`` / above ``1 + clip_high``), ``dual_clip_frac`` (A < 0 and the dual clip
 ``-A * c`` bounds the loss), ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``approx_kl`` (k1, mean of old - logp)
-and ``approx_kl_k3`` (mean of ``exp(logp - old) - 1 - (logp - old)``), both estimates of KL(old || current).
+and ``approx_kl_k3`` (mean of ``exp(x) - 1 - x``, x = logp - old), both estimates of KL(old || current).
+``approx_kl`` is the *unclamped* token mean of ``old - logp`` over masked (response) tokens, the same definition the
+trainer logs (``rlpipe.train.objective.StepSums``): the +-20 clamp belongs to the ratio inside the loss, and a metric
+on the clamped value would hide an outlier token. ``approx_kl_k3`` uses the clamped x so that ``exp`` stays finite.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ def _clipped_loss(
 def _metrics(
     mask: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor, flags: dict[str, torch.Tensor]
 ) -> MetricSums:
-    """Sums and counts over masked tokens (see module doc), detached."""
+    """Sums and counts over masked tokens (see module doc), detached; ``log_ratio`` is logp - old, *unclamped*."""
     n = mask.sum()
     r = ratio.detach()[mask].double()
-    lr = log_ratio.detach()[mask].double()
+    raw = log_ratio.detach()[mask].double()
+    lr = torch.clamp(raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     m = MetricSums(defaults={"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0})
     m.add_mean("clip_frac_low", flags["clip_low"][mask].sum(), n)
     m.add_mean("clip_frac_high", flags["clip_high"][mask].sum(), n)
@@ -70,7 +74,7 @@ def _metrics(
     m.add_mean("ratio_mean", r.sum(), n)
     m.add_min("ratio_min", r)
     m.add_max("ratio_max", r)
-    m.add_mean("approx_kl", (-lr).sum(), n)
+    m.add_mean("approx_kl", (-raw).sum(), n)
     m.add_mean("approx_kl_k3", (torch.exp(lr) - 1.0 - lr).sum(), n)
     return m
 
@@ -93,12 +97,12 @@ def ppo_clip(
     weights multiply ``L``. ``seq_ids`` is unused (uniform signature with ``gspo``).
     """
     mask = mask.bool()
-    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    raw_log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     loss, flags = _clipped_loss(ratio, advantages, clip_low, clip_high, clip_ratio_c)
     if is_weights is not None:
         loss = loss * is_weights.detach()
-    return _where(mask, loss), _metrics(mask, ratio, log_ratio, flags)
+    return _where(mask, loss), _metrics(mask, ratio, raw_log_ratio, flags)
 
 
 def gspo(
@@ -129,7 +133,6 @@ def gspo(
     loss, flags = _clipped_loss(ratio, advantages, clip_low, clip_high, None)
     if is_weights is not None:
         loss = loss * is_weights.detach()
-    token_log_ratio = torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return _where(mask, loss), _metrics(mask, ratio, token_log_ratio, flags)
 
 

@@ -176,7 +176,7 @@ def _add_ratio_stats(sums: StepSums, logprobs, old, adv, mask, algo: AlgoConfig)
     sums.add("clip_high", ((a > 0) & (ratio > 1 + algo.clip_high)).sum())
     sums.add("dual_clip", ((a < 0) & (ratio > algo.clip_ratio_c)).sum())
     sums.add("ratio_sum", ratio.sum())
-    sums.add("approx_kl", (old - logprobs)[mask].sum())
+    sums.add("approx_kl", (old - logprobs)[mask].double().sum())  # unclamped, as rlpipe.algos.policy_loss
     sums.add("n", ratio.numel())
     sums.ratio_min = torch.minimum(sums.ratio_min, ratio.min().reshape(1))
     sums.ratio_max = torch.maximum(sums.ratio_max, ratio.max().reshape(1))

@@ -230,3 +230,20 @@ def test_metrics_merge_over_micro_batches_equals_whole():
     merged = a.merge(b).finalize()
     for k, v in whole.finalize().items():
         assert merged[k] == pytest.approx(v), k
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo"])
+def test_approx_kl_is_unclamped_mean_of_old_minus_logp_with_an_outlier(name):
+    """approx_kl = mean over masked tokens of (old - logp), not clamped: one outlier token (old - logp = 45, beyond the
+    +-20 clamp of the ratio) must show in full, as in the trainer's own ratio statistics (issue 17.2)."""
+    lp = torch.tensor([-1.0, -2.0, -50.0, -0.5, -3.0, -1.5], dtype=torch.float64)
+    old = torch.tensor([-1.1, -1.9, -5.0, -0.5, -9.0, -1.4], dtype=torch.float64)  # token 2: old - logp = 45
+    mask = torch.tensor([1, 1, 1, 1, 0, 1]).bool()  # token 4 (masked) must not count
+    seq = torch.tensor([0, 0, 0, 1, 1, 1])
+    _, m = POLICY_LOSSES[name](lp, old, torch.ones(6, dtype=torch.float64), mask, seq_ids=seq)
+    pairs = [(o - p) for p, o, k in zip(lp.tolist(), old.tolist(), mask.tolist(), strict=True) if k]
+    assert m["approx_kl"] == pytest.approx(sum(pairs) / len(pairs), rel=1e-12)
+    assert m["approx_kl"] > 8.0  # (45 + small) / 5; the clamped value would be (20 + small) / 5
+    # k3 stays finite: exp(x) - 1 - x on x = clamp(logp - old, +-20)
+    k3 = [math.exp(max(-d, -20.0)) - 1 - max(-d, -20.0) for d in pairs]
+    assert m["approx_kl_k3"] == pytest.approx(sum(k3) / len(k3), rel=1e-12)

@@ -49,3 +49,30 @@ def test_packed_equals_unpacked(agg):
     assert loss_p == pytest.approx(loss_u, rel=1e-5)
     for gp, gu in zip(grads_p, grads_u, strict=True):
         torch.testing.assert_close(gp, gu, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_name", ["vanilla", "gspo"])
+def test_trainer_and_policy_loss_log_the_same_approx_kl_with_an_outlier(loss_name):
+    """The step's approx_kl (StepSums) and the policy loss's own metric are one definition: the unclamped mean of
+    old - logp over response tokens; an outlier token (old - logp = 40) shows in both (issue 17.2)."""
+    from rlpipe.algos.policy_loss import POLICY_LOSSES
+    from rlpipe.data.packing import IGNORE_INDEX
+
+    policy = PolicyModel(build_tiny_model(TinyModelConfig(), vocab_size=64, seed=0), chunk_size=7)
+    algo = AlgoConfig(policy_loss=loss_name)
+    (pack,) = pack_sequences(_items(), 64, 0, pad_to_max_length=False)
+    mask = pack.shifted_labels != IGNORE_INDEX
+    with torch.no_grad():
+        logprobs = policy.logprobs(pack)
+    old = logprobs + 0.01 * torch.arange(pack.length) * mask
+    outlier = int(mask.nonzero()[3])
+    old[outlier] = logprobs[outlier] + 40.0
+    expected = [float(o) - float(p) for p, o, k in zip(logprobs, old, mask, strict=True) if k]
+    expected = sum(expected) / len(expected)
+    sums = StepSums("cpu")
+    tokens, seqs = torch.tensor(float(pack.num_label_tokens)), torch.tensor(float(pack.num_sequences))
+    rl_microbatch_loss(logprobs, pack, old, None, None, algo, tokens, seqs, 8, sums)
+    step = sums.all_reduce_finalize()
+    _, m = POLICY_LOSSES[loss_name](logprobs, old, pack.advantages, mask, seq_ids=pack.seq_index)
+    assert step["approx_kl"] == pytest.approx(expected, rel=1e-5)
+    assert m["approx_kl"] == pytest.approx(expected, rel=1e-5)
