@@ -155,8 +155,18 @@ class AlgoConfig(_Strict):
     advantage: str = Field("grpo", description="Advantage estimator (grpo, rloo, dr_grpo, opo, pass_at_k).")
     pass_at_k: int = Field(4, ge=1, description="k of the pass_at_k advantage.")
     policy_loss: str = Field("vanilla", description="Policy loss (vanilla/ppo_clip, gspo).")
-    clip_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio (1 - clip_low).")
-    clip_high: float = Field(0.28, ge=0, description="Upper clip range (1 + clip_high): clip-higher of DAPO.")
+    clip_low: float = Field(
+        0.2,
+        ge=0,
+        description="Lower clip range of the ratio (1 - clip_low); of the sequence ratio under gspo (the GSPO paper "
+        "uses 3e-4; the default is PPO's). The clip_frac metrics use the same range.",
+    )
+    clip_high: float = Field(
+        0.28,
+        ge=0,
+        description="Upper clip range (1 + clip_high): clip-higher of DAPO; GSPO's paper uses 4e-4 for its sequence "
+        "ratio.",
+    )
     clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant for negative advantages.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="How per-token losses become one number (token-mean uses the global token count)."

@@ -3,6 +3,11 @@
 ``rewards`` is ``[num_groups, group_size]`` (the ``n`` responses sampled for one prompt form a group); every
 estimator returns a tensor of the same shape and dtype (integer rewards are promoted to float32). A group of one has
 no baseline: its advantage is 0, never NaN.
+
+Uniform groups are exact: every estimator computes in float64 and sets ``A = 0`` exactly where all rewards of a
+group are equal. A group with no signal must not update the policy; in float32 a group of eight 0.7 rewards has a
+mean that differs from 0.7 and a std of ~6e-8, which ``eps = 1e-8`` does not dominate, so GRPO gave it advantages
+of order 1 and random sign (issue 17).
 """
 
 from __future__ import annotations
@@ -16,21 +21,29 @@ import torch
 from rlpipe.algos.registry import lookup
 
 
-def _check(rewards: torch.Tensor) -> torch.Tensor:
+def _check(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """``(rewards as float64, dtype of the result)``: the math runs in float64 whatever the input precision."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
-    return rewards if rewards.is_floating_point() else rewards.float()
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return rewards.to(torch.float64), dtype
+
+
+def _finish(advantages: torch.Tensor, rewards: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Exact 0 for groups whose rewards are all equal (no signal, whatever the rounding), cast to ``dtype``."""
+    uniform = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(uniform, torch.zeros_like(advantages), advantages).to(dtype)
 
 
 def grpo(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): ``A_i = (r_i - mean(r)) / (std(r) + eps)``, unbiased std of the group.
 
-    All-equal rewards give 0 (the numerator is 0); a group of one gives 0.
+    All-equal rewards give exactly 0 (see the module doc); a group of one gives 0.
     """
-    r = _check(rewards)
+    r, dtype = _check(rewards)
     if r.shape[1] < 2:
-        return torch.zeros_like(r)
-    return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True, correction=1) + eps)
+        return torch.zeros_like(r, dtype=dtype)
+    return _finish((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True, correction=1) + eps), r, dtype)
 
 
 def rloo(rewards: torch.Tensor) -> torch.Tensor:
@@ -38,11 +51,11 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
 
     Equivalently ``G/(G-1) * (r_i - mean(r))``.
     """
-    r = _check(rewards)
+    r, dtype = _check(rewards)
     g = r.shape[1]
     if g < 2:
-        return torch.zeros_like(r)
-    return r - (r.sum(dim=1, keepdim=True) - r) / (g - 1)
+        return torch.zeros_like(r, dtype=dtype)
+    return _finish(r - (r.sum(dim=1, keepdim=True) - r) / (g - 1), r, dtype)
 
 
 def dr_grpo(rewards: torch.Tensor, lengths: torch.Tensor | None = None, max_length: int | None = None) -> torch.Tensor:
@@ -53,8 +66,8 @@ def dr_grpo(rewards: torch.Tensor, lengths: torch.Tensor | None = None, max_leng
     ``max_length``. ``lengths`` and ``max_length`` are accepted for a uniform call signature and are *not* used here
     (scaling the advantage by ``lengths / max_length`` would re-introduce the length bias the paper removes).
     """
-    r = _check(rewards)
-    return r - r.mean(dim=1, keepdim=True)
+    r, dtype = _check(rewards)
+    return _finish(r - r.mean(dim=1, keepdim=True), r, dtype)
 
 
 def opo(rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -63,7 +76,7 @@ def opo(rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     ``b = sum_i l_i r_i / sum_i l_i`` per group, ``A_i = r_i - b``: the variance-minimising baseline when the
     gradient norm of a response grows with its length. A group whose lengths sum to 0 falls back to the plain mean.
     """
-    r = _check(rewards)
+    r, dtype = _check(rewards)
     if lengths is None or tuple(lengths.shape) != tuple(r.shape):
         got = None if lengths is None else tuple(lengths.shape)
         raise ValueError(f"opo needs lengths of shape {tuple(r.shape)} (response lengths), got {got}")
@@ -71,7 +84,7 @@ def opo(rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = length.sum(dim=1, keepdim=True)
     weighted = (length * r).sum(dim=1, keepdim=True) / total.clamp(min=torch.finfo(r.dtype).tiny)
     baseline = torch.where(total > 0, weighted, r.mean(dim=1, keepdim=True))
-    return r - baseline
+    return _finish(r - baseline, r, dtype)
 
 
 def pass_at_k(rewards: torch.Tensor, k: int = 4) -> torch.Tensor:
@@ -87,7 +100,7 @@ def pass_at_k(rewards: torch.Tensor, k: int = 4) -> torch.Tensor:
 
     with ``eps = 1e-8``. All-correct or all-wrong groups get 0. ``k = 1`` reduces to GRPO with the population std.
     """
-    r = _check(rewards)
+    r, dtype = _check(rewards)
     n = r.shape[1]
     if not 1 <= k <= n:
         raise ValueError(f"pass_at_k needs 1 <= k <= group_size ({n}), got k={k}")
@@ -103,7 +116,7 @@ def pass_at_k(rewards: torch.Tensor, k: int = 4) -> torch.Tensor:
     pos = (1.0 - mean) / (std + 1e-8)
     neg = (1.0 - mean - torch.tensor(wrong_in_all_fail, dtype=torch.float64, device=dev)[n_neg]) / (std + 1e-8)
     out = torch.where(r == 1, pos[:, None], neg[:, None])
-    return out.to(r.dtype)
+    return _finish(out, r, dtype)
 
 
 ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {

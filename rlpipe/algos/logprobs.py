@@ -8,6 +8,11 @@ the hidden states are fp64, which ``gradcheck`` needs), whatever the model dtype
 With ``z = h W^T / T`` and ``logp = z_y - logsumexp(z)``: ``dlogp/dz = onehot(y) - softmax(z)``, so for upstream
 gradient ``g`` the chunk's ``grad_z = g (onehot - softmax)``, ``grad_h = grad_z W / T`` and ``grad_W += grad_z^T h / T``.
 Labels equal to -100 (prompt, padding, last position) get logprob 0 and no gradient.
+
+Temperature: RL scores with ``T = scoring_temperature(rollout.temperature)`` (old, current and reference logprobs,
+and the rollout engine's logprobs), so the PPO ratio, the KL and rollout IS describe the distribution the rollout
+sampled from (as verl divides the actor's and the reference's logits by the rollout temperature). ``T = 1`` skips
+the division, so the default is bit-identical to untempered scoring. SFT cross-entropy is always at ``T = 1``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
+
+
+def scoring_temperature(sampling_temperature: float) -> float:
+    """Temperature to score the sampled tokens at: the sampling one, or 1 for greedy (``T = 0`` has no distribution;
+    its tokens are scored under the plain policy)."""
+    return float(sampling_temperature) if sampling_temperature > 0 else 1.0
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -6,8 +6,10 @@ accumulators (as float64 tensors, no host sync until ``finalize``):
 
 - ``sums[name] / counts[name]``: mean metrics,
 - ``mins[name]`` / ``maxs[name]``: extremes (``+inf`` / ``-inf`` while empty),
-- ``derived[name] = (op, mean_key, sq_mean_key)``: ``"std"`` (unbiased, from E[x] and E[x^2]) or ``"ess"``
-  (normalised effective sample size E[w]^2 / E[w^2] = (sum w)^2 / (N sum w^2)).
+- ``derived[name] = (op, mean_key, sq_mean_key)``: ``"std"`` (unbiased, from E[x] and E[x^2]), ``"ess"``
+  (normalised effective sample size E[w]^2 / E[w^2] = (sum w)^2 / (N sum w^2); 0 when every weight is 0: no
+  effective data, e.g. every sequence vetoed) or ``"total"`` (the numerator of ``mean_key``, i.e. mean x count:
+  a global count such as vetoed sequences; ``sq_mean_key`` is unused).
 
 Names starting with ``_`` are helpers (e.g. E[x^2]) and are left out of ``finalize()``. ``defaults`` give the value
 of a metric that saw no data (e.g. a ratio of 1.0 on an empty micro-batch).
@@ -179,7 +181,10 @@ def _finite(v: float) -> float | None:
 
 
 def _derive(op: str, mean: float | None, sq_mean: float | None, count: float) -> float | None:
-    """std: sqrt((E[x^2] - E[x]^2) * n/(n-1)) (unbiased; 0 for n<=1); ess: E[w]^2 / E[w^2]."""
+    """std: sqrt((E[x^2] - E[x]^2) * n/(n-1)) (unbiased; 0 for n<=1); ess: E[w]^2 / E[w^2] (0 if all w = 0);
+    total: E[x] * n."""
+    if op == "total":
+        return None if mean is None else mean * count
     if mean is None or sq_mean is None:
         return None
     if op == "std":
@@ -187,5 +192,5 @@ def _derive(op: str, mean: float | None, sq_mean: float | None, count: float) ->
             return 0.0
         return math.sqrt(max(sq_mean - mean * mean, 0.0) * count / (count - 1))
     if op == "ess":
-        return mean * mean / sq_mean if sq_mean > 0 else None
-    raise ValueError(f"unknown derived metric op {op!r}; known: ess, std")
+        return mean * mean / sq_mean if sq_mean > 0 else 0.0  # all weights 0 (count > 0 here): no data
+    raise ValueError(f"unknown derived metric op {op!r}; known: ess, std, total")

@@ -7,10 +7,19 @@ advantage), ``mask`` (tokens that count), optional ``is_weights`` (rollout impor
 loss is 0 outside ``mask``. Pass it to ``aggregate``; reduce/merge the metrics over micro-batches and ranks, then
 ``finalize()`` (see ``rlpipe.algos.metrics``).
 
-Metrics (fractions over masked tokens): ``clip_frac_low`` / ``clip_frac_high`` (the clipped branch of the PPO max is
+Metrics of ``ppo_clip`` (fractions over masked tokens): ``clip_frac_low`` / ``clip_frac_high`` (the clipped branch of the PPO max is
 strictly larger, ratio below ``1 - clip_low`` / above ``1 + clip_high``), ``dual_clip_frac`` (A < 0 and the dual clip
 ``-A * c`` bounds the loss), ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``approx_kl`` (k1, mean of old - logp)
-and ``approx_kl_k3`` (mean of ``exp(logp - old) - 1 - (logp - old)``), both estimates of KL(old || current).
+and ``approx_kl_k3`` (mean of ``exp(x) - 1 - x``, x = logp - old), both estimates of KL(old || current).
+``approx_kl`` is the *unclamped* token mean of ``old - logp`` over masked (response) tokens, the same definition the
+trainer logs (``rlpipe.train.objective.StepSums``): the +-20 clamp belongs to the ratio inside the loss, and a metric
+on the clamped value would hide an outlier token. ``approx_kl_k3`` uses the clamped x so that ``exp`` stays finite.
+
+``gspo`` clips sequences, not tokens, so its clip and ratio metrics are over *sequences* (``gspo_sequence_stats``,
+also what the trainer logs under GSPO): ``clip_frac_low`` / ``clip_frac_high`` = fraction of sequences whose
+sequence ratio ``s_i`` is clipped by GSPO's own range (``A_i < 0`` and ``s_i < 1 - clip_low`` / ``A_i > 0`` and
+``s_i > 1 + clip_high``: the clipped branch is the larger one, as for PPO), ``ratio_mean/min/max`` over ``s_i``,
+``dual_clip_frac`` 0 (GSPO has none); ``approx_kl`` / ``approx_kl_k3`` stay token means.
 """
 
 from __future__ import annotations
@@ -59,10 +68,11 @@ def _clipped_loss(
 def _metrics(
     mask: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor, flags: dict[str, torch.Tensor]
 ) -> MetricSums:
-    """Sums and counts over masked tokens (see module doc), detached."""
+    """Sums and counts over masked tokens (see module doc), detached; ``log_ratio`` is logp - old, *unclamped*."""
     n = mask.sum()
     r = ratio.detach()[mask].double()
-    lr = log_ratio.detach()[mask].double()
+    raw = log_ratio.detach()[mask].double()
+    lr = torch.clamp(raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     m = MetricSums(defaults={"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0})
     m.add_mean("clip_frac_low", flags["clip_low"][mask].sum(), n)
     m.add_mean("clip_frac_high", flags["clip_high"][mask].sum(), n)
@@ -70,7 +80,7 @@ def _metrics(
     m.add_mean("ratio_mean", r.sum(), n)
     m.add_min("ratio_min", r)
     m.add_max("ratio_max", r)
-    m.add_mean("approx_kl", (-lr).sum(), n)
+    m.add_mean("approx_kl", (-raw).sum(), n)
     m.add_mean("approx_kl_k3", (torch.exp(lr) - 1.0 - lr).sum(), n)
     return m
 
@@ -93,12 +103,12 @@ def ppo_clip(
     weights multiply ``L``. ``seq_ids`` is unused (uniform signature with ``gspo``).
     """
     mask = mask.bool()
-    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    raw_log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     loss, flags = _clipped_loss(ratio, advantages, clip_low, clip_high, clip_ratio_c)
     if is_weights is not None:
         loss = loss * is_weights.detach()
-    return _where(mask, loss), _metrics(mask, ratio, log_ratio, flags)
+    return _where(mask, loss), _metrics(mask, ratio, raw_log_ratio, flags)
 
 
 def gspo(
@@ -119,6 +129,7 @@ def gspo(
     so with ``seq-mean-token-mean`` aggregation and one advantage per sequence the gradient is GSPO's. Clipped like
     PPO with the paper's small ranges (defaults 3e-4 / 4e-4, the paper's values). No dual clip: ``clip_ratio_c`` is
     accepted for a uniform signature and ignored. Sequences come from ``seq_ids`` (or rows of a 2-D tensor).
+    Clip and ratio metrics are per sequence (``gspo_sequence_stats``, module doc).
     """
     mask = mask.bool()
     seg = segments(mask, seq_ids)
@@ -126,11 +137,58 @@ def gspo(
     seq_log_ratio = torch.clamp(seg.mean(token_log_ratio.double()), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_s = seg.broadcast(seq_log_ratio.to(logprobs.dtype), logprobs.shape)
     ratio = torch.exp(log_s) * torch.exp(logprobs - logprobs.detach())
-    loss, flags = _clipped_loss(ratio, advantages, clip_low, clip_high, None)
+    loss, _ = _clipped_loss(ratio, advantages, clip_low, clip_high, None)
     if is_weights is not None:
         loss = loss * is_weights.detach()
-    token_log_ratio = torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return _where(mask, loss), _metrics(mask, ratio, token_log_ratio, flags)
+    seq_ratio, low, high = gspo_sequence_stats(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, seq_ids)
+    return _where(mask, loss), _gspo_metrics(mask, token_log_ratio, seq_ratio, low, high)
+
+
+def gspo_sequence_stats(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    seq_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence, detached float64: ``(s_i, clipped_low_i, clipped_high_i)`` where GSPO's clip is active.
+
+    ``s_i = exp(clamp(mean_t (logp - old), +-20))``; ``A_i`` is the mean advantage of the sequence's masked tokens (one
+    value per sequence); low: ``A_i < 0`` and ``s_i < 1 - clip_low``, high: ``A_i > 0`` and ``s_i > 1 + clip_high``.
+    The single definition behind ``gspo``'s metrics and the trainer's GSPO step metrics.
+    """
+    mask = mask.bool()
+    seg = segments(mask, seq_ids)
+    log_s = seg.mean((logprobs - old_logprobs).detach().double())
+    ratio = torch.exp(torch.clamp(log_s, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    adv = seg.mean(advantages.detach().double())
+    return ratio, (adv < 0) & (ratio < 1.0 - clip_low), (adv > 0) & (ratio > 1.0 + clip_high)
+
+
+def _gspo_metrics(
+    mask: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    seq_ratio: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+) -> MetricSums:
+    """Sequence clip/ratio metrics plus the token approx_kl of ``_metrics`` (see module doc)."""
+    n_seq = seq_ratio.numel()
+    m = MetricSums(defaults={"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0})
+    m.add_mean("clip_frac_low", low.sum(), n_seq)
+    m.add_mean("clip_frac_high", high.sum(), n_seq)
+    m.add_mean("dual_clip_frac", 0.0, n_seq)
+    m.add_mean("ratio_mean", seq_ratio.sum(), n_seq)
+    m.add_min("ratio_min", seq_ratio)
+    m.add_max("ratio_max", seq_ratio)
+    n = mask.sum()
+    raw = token_log_ratio.detach()[mask].double()
+    lr = torch.clamp(raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    m.add_mean("approx_kl", (-raw).sum(), n)
+    m.add_mean("approx_kl_k3", (torch.exp(lr) - 1.0 - lr).sum(), n)
+    return m
 
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, MetricSums]]] = {

@@ -16,8 +16,11 @@ brings you off-policy RL training", Yao et al. 2025):
 Weights are detached and 0 outside ``mask``. Metrics are ``MetricSums`` (reduce over ranks, then ``finalize``; also
 usable as a dict of this call's values). ``rollout_is_mean/std/min/max`` and the ``ratio_fraction_*`` describe the
 raw weights (after the log-space clamp, before truncate/mask/veto) so they show the real mismatch;
-``rollout_is_eff_sample_size`` is ``(sum w)^2 / (N sum w^2)`` of the weights actually applied. Token statistics are
-over masked tokens (sequence weights counted once per token), ``*_seq_*`` and veto fractions over sequences.
+``rollout_is_eff_sample_size`` is ``(sum w)^2 / (N sum w^2)`` of the weights actually applied, and 0 when every
+applied weight is 0 (every sequence vetoed or masked, or no tokens at all): no data, not a perfect 1.
+``rollout_is_veto_fraction`` / ``rollout_is_veto_count`` are the fraction / number of vetoed sequences (global after
+the cross-rank reduction). Token statistics are over masked tokens (sequence weights counted once per token),
+``*_seq_*`` and veto fractions over sequences.
 """
 
 from __future__ import annotations
@@ -89,9 +92,10 @@ def rollout_is_weights(
         derived={
             "rollout_is_std": ("std", "rollout_is_mean", "_rollout_is_sq"),
             "rollout_is_eff_sample_size": ("ess", "_rollout_is_w", "_rollout_is_w_sq"),
+            "rollout_is_veto_count": ("total", "rollout_is_veto_fraction", "rollout_is_veto_fraction"),
         },
         defaults={"rollout_is_mean": 1.0, "rollout_is_min": 1.0, "rollout_is_max": 1.0,
-                  "rollout_is_eff_sample_size": 1.0},
+                  "rollout_is_eff_sample_size": 0.0},
     )  # fmt: skip
     m.add_mean("rollout_is_mean", r.sum(), n)
     m.add_mean("_rollout_is_sq", r.square().sum(), n)

@@ -133,8 +133,10 @@ def token_logprobs(
     shifted_labels: torch.Tensor | None = None,
     chunk_size: int = 1024,
     prefix_of: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Logprob of ``shifted_labels[t]`` at every position ``t`` (``[L]``, 0 where the label is -100).
+    """Logprob of ``shifted_labels[t]`` at every position ``t`` (``[L]``, 0 where the label is -100), under
+    ``softmax(logits / temperature)`` (RL scores at the sampling temperature; 1 is exactly the untempered value).
 
     Call either as ``token_logprobs(model, pack, chunk_size=...)`` with a ``rlpipe.data.packing.Pack`` or with the
     four tensors. Logits are never materialised for all tokens at once (``rlpipe.algos.logprobs.chunked_logprobs``).
@@ -149,4 +151,4 @@ def token_logprobs(
     from rlpipe.algos.logprobs import chunked_logprobs
 
     hidden = packed_hidden_states(model, input_ids, position_ids, cu_seq_lens, prefix_of=prefix_of)
-    return chunked_logprobs(hidden, lm_head_weight(model), shifted_labels.to(hidden.device), chunk_size)
+    return chunked_logprobs(hidden, lm_head_weight(model), shifted_labels.to(hidden.device), chunk_size, temperature)

@@ -1,8 +1,9 @@
 """The rollout contract: sampling parameters in, token ids + per-token logprobs out.
 
 Engines are token-in/token-out (prompts are token ids, never text) so the trainer scores exactly the tokens
-that were sampled. ``Generation.logprobs[j]`` is ``log_softmax(raw logits)`` of response token ``j`` at
-temperature 1, before top-p/top-k: the distribution the trainer recomputes, so the on-policy mismatch is ~0.
+that were sampled. ``Generation.logprobs[j]`` is ``log_softmax(logits / T)`` of response token ``j`` at the sampling
+temperature ``T`` (1 for greedy), before top-p/top-k: the distribution the trainer recomputes, so the on-policy
+mismatch is ~0.
 """
 
 from __future__ import annotations

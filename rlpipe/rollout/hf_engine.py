@@ -4,8 +4,9 @@ Prompts are left-padded with an attention mask (positions then start at 0 for ev
 sampled with a KV cache. The ``n`` samples of a prompt share its prefill: all but the last prompt token are run once
 per prompt, the cache is repeated ``n`` times, and ``generate`` continues from it (for short responses the prefill
 of ``n`` identical prompts was most of a rollout; the samples are the same, the logits equal to float rounding).
-Logprobs come from the raw logits generate returns (``output_logits=True``), so they are the untempered, unfiltered
-policy distribution the trainer scores. The model's own ``generation_config`` is ignored during rollout:
+Logprobs come from the raw logits generate returns (``output_logits=True``), divided by the sampling temperature
+(``scoring_temperature``: 1 for greedy, no division at 1): the tempered, unfiltered (before top-p/top-k)
+distribution the tokens were sampled from, which is what the trainer scores. The model's own ``generation_config`` is ignored during rollout:
 transformers 5 would otherwise fill unset fields (repetition penalty, min_p, ...) from it and silently change the
 sampling distribution.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from rlpipe.algos.logprobs import scoring_temperature
 from rlpipe.errors import ConfigError
 from rlpipe.rollout.engine import Generation, SamplingParams, truncate_at_stop
 
@@ -65,7 +67,7 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def _generate_batch(
-        self, prompts: list[list[int]], n: int, gen_cfg: GenerationConfig
+        self, prompts: list[list[int]], n: int, gen_cfg: GenerationConfig, temperature: float = 1.0
     ) -> tuple[list[list[int]], list[list[float]]]:
         """``n`` samples of each prompt, rows in (prompt, sample) order; the prompt prefill is shared by its samples."""
         ids, mask = self._left_pad(prompts)
@@ -74,10 +76,12 @@ class HFRolloutEngine:
         extra = {"cache": cache} if cache is not None else {}
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
         new = out.sequences[:, ids.shape[1] :]  # [B, S]
-        # Raw logits per step -> logprob of the sampled token, step by step (never [B, S, V] in fp32 at once).
+        # Raw logits per step -> tempered logprob of the sampled token, step by step (never [B, S, V] in fp32 at once).
         lps = torch.stack(
             [
-                torch.log_softmax(step.float(), dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+                torch.log_softmax(_tempered(step.float(), temperature), dim=-1)
+                .gather(-1, new[:, t : t + 1])
+                .squeeze(-1)
                 for t, step in enumerate(out.logits)
             ],
             dim=1,
@@ -105,6 +109,7 @@ class HFRolloutEngine:
         # Prompts per generate call: batch_size rows, but never less than one whole group.
         per_call = max(1, self.batch_size // params.n)
         gen_cfg = self._generation_config(params)
+        temperature = scoring_temperature(params.temperature)
         stop_ids = set(gen_cfg.eos_token_id)
         model = self.model
         was_training = model.training
@@ -124,7 +129,7 @@ class HFRolloutEngine:
                     chunk = [
                         (pi, si) for pi in range(start, min(start + per_call, len(prompts))) for si in range(params.n)
                     ]
-                    toks, lps = self._generate_batch(prompts[start : start + per_call], params.n, gen_cfg)
+                    toks, lps = self._generate_batch(prompts[start : start + per_call], params.n, gen_cfg, temperature)
                     for (pi, si), t, lp in zip(chunk, toks, lps, strict=True):
                         resp, resp_lp, reason = truncate_at_stop(t, lp, stop_ids, self.eos_token_id)
                         results.append(Generation(pi, si, resp, resp_lp, reason))
@@ -132,3 +137,8 @@ class HFRolloutEngine:
             model.generation_config = saved_gen_cfg
             model.train(was_training)
         return results
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``, untouched at 1 (bit-identical to the untempered logprobs)."""
+    return logits if temperature == 1.0 else logits / temperature

@@ -13,7 +13,7 @@ import torch
 from rlpipe.algos.entropy import sampled_token_entropy_sum
 from rlpipe.algos.kl import kl_penalty
 from rlpipe.algos.metrics import MetricSums
-from rlpipe.algos.policy_loss import POLICY_LOSSES, aggregate
+from rlpipe.algos.policy_loss import LOG_RATIO_CLAMP, POLICY_LOSSES, aggregate, gspo_sequence_stats
 from rlpipe.algos.rollout_is import mismatch_metrics, rollout_is_weights
 from rlpipe.config import AlgoConfig
 from rlpipe.data.packing import IGNORE_INDEX, Pack
@@ -100,9 +100,16 @@ def _reduce_with(sums: torch.Tensor, metrics: dict[str, MetricSums]) -> dict[str
 
 
 class StepSums:
-    """Reducible sums of one optimizer step's micro-batches: losses, clip counts, ratio stats."""
+    """Reducible sums of one optimizer step's micro-batches: losses, clip counts, ratio stats.
 
-    SUM_KEYS = ("loss", "policy_loss", "kl_loss", "clip_low", "clip_high", "dual_clip", "ratio_sum", "approx_kl", "n")
+    ``n`` counts the units the clip fractions and ratio stats are over (tokens; sequences under GSPO, which clips
+    sequence ratios), ``n_tokens`` the response tokens ``approx_kl`` is a mean over.
+    """
+
+    SUM_KEYS = (
+        "loss", "policy_loss", "kl_loss", "clip_low", "clip_high", "dual_clip", "ratio_sum", "approx_kl", "n",
+        "n_tokens",
+    )  # fmt: skip
 
     def __init__(self, device):
         self.sums = torch.zeros(len(self.SUM_KEYS), dtype=torch.float64, device=device)
@@ -128,7 +135,7 @@ class StepSums:
             "ratio_mean": 1.0 if empty else s["ratio_sum"] / n,
             "ratio_min": 1.0 if empty else float(self.ratio_min),
             "ratio_max": 1.0 if empty else float(self.ratio_max),
-            "approx_kl": s["approx_kl"] / n,
+            "approx_kl": s["approx_kl"] / max(s["n_tokens"], 1.0),
         }
 
 
@@ -159,25 +166,32 @@ def rl_microbatch_loss(
     if algo.use_kl_loss and ref is not None:
         kl_loss = aggregate(kl_penalty(logprobs, ref, algo.kl_kind), mask, **agg)
         loss = loss + algo.kl_coef * kl_loss
-    _add_ratio_stats(sums, logprobs.detach(), old, pack.advantages, mask, algo)
+    _add_ratio_stats(sums, logprobs.detach(), old, pack.advantages, mask, algo, seq_ids)
     sums.add("loss", loss)
     sums.add("policy_loss", policy_loss)
     sums.add("kl_loss", kl_loss)
     return loss
 
 
-def _add_ratio_stats(sums: StepSums, logprobs, old, adv, mask, algo: AlgoConfig) -> None:
-    """Token-level ratio diagnostics (the clip fractions a user tunes clip ranges by)."""
+def _add_ratio_stats(sums: StepSums, logprobs, old, adv, mask, algo: AlgoConfig, seq_ids=None) -> None:
+    """Ratio diagnostics (the clip fractions a user tunes clip ranges by) of what the loss clips: token ratios for
+    PPO, sequence ratios with the same clip range for GSPO (``gspo_sequence_stats``)."""
     if not mask.any():
         return
-    ratio = torch.exp(torch.clamp(logprobs - old, -20.0, 20.0))[mask].double()
-    a = adv[mask]
-    sums.add("clip_low", ((a < 0) & (ratio < 1 - algo.clip_low)).sum())
-    sums.add("clip_high", ((a > 0) & (ratio > 1 + algo.clip_high)).sum())
-    sums.add("dual_clip", ((a < 0) & (ratio > algo.clip_ratio_c)).sum())
+    if algo.policy_loss == "gspo":
+        ratio, low, high = gspo_sequence_stats(logprobs, old, adv, mask, algo.clip_low, algo.clip_high, seq_ids)
+        sums.add("clip_low", low.sum())
+        sums.add("clip_high", high.sum())
+    else:
+        ratio = torch.exp(torch.clamp(logprobs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[mask].double()
+        a = adv[mask]
+        sums.add("clip_low", ((a < 0) & (ratio < 1 - algo.clip_low)).sum())
+        sums.add("clip_high", ((a > 0) & (ratio > 1 + algo.clip_high)).sum())
+        sums.add("dual_clip", ((a < 0) & (ratio > algo.clip_ratio_c)).sum())
     sums.add("ratio_sum", ratio.sum())
-    sums.add("approx_kl", (old - logprobs)[mask].sum())
     sums.add("n", ratio.numel())
+    sums.add("approx_kl", (old - logprobs)[mask].double().sum())  # unclamped, as rlpipe.algos.policy_loss
+    sums.add("n_tokens", mask.sum())
     sums.ratio_min = torch.minimum(sums.ratio_min, ratio.min().reshape(1))
     sums.ratio_max = torch.maximum(sums.ratio_max, ratio.max().reshape(1))
 

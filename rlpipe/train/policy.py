@@ -15,7 +15,7 @@ from rlpipe.models.packed import token_logprobs
 
 
 class PolicyModel(nn.Module):
-    """`forward(pack tensors) -> logprobs [L]` over a HF causal LM."""
+    """`forward(pack tensors) -> logprobs [L]` over a HF causal LM, at `temperature` (RL: the sampling one; SFT: 1)."""
 
     def __init__(self, hf_model: nn.Module, chunk_size: int):
         super().__init__()
@@ -29,12 +29,15 @@ class PolicyModel(nn.Module):
         cu_seq_lens: torch.Tensor,
         shifted_labels: torch.Tensor,
         prefix_of: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
-        out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size, prefix_of)
+        out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size, prefix_of,
+                             temperature)  # fmt: skip
         return out.clone()  # FSDP2 warns about (and mishandles in-place ops on) a view returned from forward
 
-    def logprobs(self, pack: Pack) -> torch.Tensor:
-        return self(pack.input_ids, pack.position_ids, pack.cu_seq_lens, pack.shifted_labels, pack.prefix_of)
+    def logprobs(self, pack: Pack, temperature: float = 1.0) -> torch.Tensor:
+        return self(pack.input_ids, pack.position_ids, pack.cu_seq_lens, pack.shifted_labels, pack.prefix_of,
+                    temperature=temperature)  # fmt: skip
 
 
 def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:

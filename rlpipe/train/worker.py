@@ -2,7 +2,8 @@
 
 It mirrors the seed worker's `fit()` sequence, split into small steps: old logprobs recomputed by the actor,
 entropy, rollout importance sampling and mismatch metrics, reference logprobs and KL, then `optimizer_steps`
-mini-batches with a global token-mean loss. It also hosts an unsharded copy of the policy for HF `generate`
+mini-batches with a global token-mean loss. Every RL logprob (old, current, reference) is scored at the rollout's
+sampling temperature (`rlpipe.algos.logprobs.scoring_temperature(cfg.rollout.temperature)`), SFT at 1. It also hosts an unsharded copy of the policy for HF `generate`
 (colocated rollout; refreshed from the sharded weights after every update) and a periodic SFT step.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlpipe.algos.logprobs import scoring_temperature
 from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import Pack
 from rlpipe.models.loading import load_model
@@ -56,6 +58,8 @@ class TrainingWorker:
         self.rank, self.world_size = rank, world_size
         self._sharded = False  # FSDP2 units (set by `_build_policy`); False: replicated or a single process
         self.device = pick_device(self.cfg.train.device)
+        # The distribution the rollout samples from: the PPO ratio, KL and rollout IS must be taken under it.
+        self.temperature = scoring_temperature(self.cfg.rollout.temperature)
         if self.device.type == "cpu":
             torch.set_num_threads(self.cfg.train.threads_per_worker)
 
@@ -129,7 +133,7 @@ class TrainingWorker:
     def compute_logprobs(self, packs: list[Pack]) -> list[torch.Tensor]:
         """Old-policy logprobs, recomputed by the actor (never taken from the rollout engine)."""
         self.policy.eval()
-        out = [self.policy.logprobs(p.to(self.device)).cpu() for p in packs]
+        out = [self.policy.logprobs(p.to(self.device), self.temperature).cpu() for p in packs]
         self.policy.train()
         return out
 
@@ -138,7 +142,7 @@ class TrainingWorker:
         if self.ref is None:
             raise RuntimeError("compute_ref_logprobs called but algo.use_kl_loss is off")
         self.ref.to(self.device)
-        out = [self.ref.logprobs(p.to(self.device)).cpu() for p in packs]
+        out = [self.ref.logprobs(p.to(self.device), self.temperature).cpu() for p in packs]
         self.ref.to("cpu")
         return out
 
@@ -230,7 +234,7 @@ class TrainingWorker:
         lr = set_lr(self.optimizer, self.cfg.train, self.optimizer_step, total_steps)
         sums = StepSums(self.device)
         for i, pack in enumerate(packs):
-            logprobs = self.policy.logprobs(pack)
+            logprobs = self.policy.logprobs(pack, self.temperature)
             old_i = old[i] if old is not None else logprobs.detach()
             if collect_old is not None:
                 collect_old.append(old_i)

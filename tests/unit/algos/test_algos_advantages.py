@@ -138,3 +138,66 @@ def test_dispatcher():
     with pytest.raises(ValueError, match="grpo, opo, pass_at_k, rloo") as err:
         compute_advantages("grpoo", r)
     assert isinstance(err.value, RlpipeError)
+
+
+# -- issue 17: uniform groups are exact, whatever the precision of the rewards ---------------------------------------
+def _naive_pass_at_k_binary(group, k):
+    """Pass@k advantage straight from the paper's closed form (Chen et al. 2025), in python floats."""
+    n, n_neg = len(group), sum(1 for r in group if r == 0)
+    mean = 1 - math.comb(n_neg, k) / math.comb(n, k)
+    std = math.sqrt(mean * (1 - mean))
+    neg = 1 - mean - (math.comb(n_neg - 1, k - 1) / math.comb(n - 1, k - 1) if n_neg > 0 else 0.0)
+    return [((1 - mean) if r == 1 else neg) / (std + 1e-8) for r in group]
+
+
+NAIVE = {  # per-group python formulas of the papers (statistics.mean / stdev are exact on python floats)
+    "grpo": lambda g, lens: _naive_grpo(g),
+    "rloo": lambda g, lens: _naive_rloo(g),
+    "dr_grpo": lambda g, lens: [r - statistics.mean(g) for r in g],
+    "opo": lambda g, lens: _naive_opo(g, lens),
+    "pass_at_k": lambda g, lens: _naive_pass_at_k_binary(g, 2),
+}
+
+
+def test_naive_table_covers_every_registered_estimator():
+    assert set(NAIVE) == set(ADVANTAGES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_uniform_groups_give_exact_zero(name, dtype):
+    """Groups of 0.1, 0.7, 1/3 (not exact in binary) of sizes 3..16: every advantage is exactly 0 (float32 GRPO gave
+    |A| ~ 0.4-0.8 for 8 or 16 equal rewards: mean and std both ~6e-8, which eps=1e-8 does not dominate)."""
+    values = [0.0, 1.0] if name == "pass_at_k" else [0.1, 0.7, 1 / 3, 0.9, 2.3]
+    for g in (3, 5, 8, 16):
+        r = torch.tensor([[v] * g for v in values], dtype=dtype)
+        lengths = torch.arange(1, g + 1, dtype=dtype).repeat(len(values), 1)
+        out = compute_advantages(name, r, lengths=lengths, **({"k": 2} if name == "pass_at_k" else {}))
+        assert out.dtype == dtype
+        assert torch.equal(out, torch.zeros_like(r)), (name, g, out.abs().max().item())
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_mixed_and_uniform_float32_groups_match_naive_formulas(name):
+    """float32 rewards (as the RolloutBatch stores them), mixed with uniform groups: each row equals the paper's
+    formula evaluated in python floats on the same float32 values."""
+    if name == "pass_at_k":
+        rows = [[1, 0, 0, 1, 0, 0, 0, 0], [1] * 8, [0] * 8, [0, 1, 1, 1, 1, 1, 1, 0]]
+    else:
+        rows = [
+            [0.1, 0.7, 0.1, 0.1, 1 / 3, 0.7, 0.1, 0.9],
+            [0.7] * 8,
+            [0.1] * 8,
+            [1 / 3] * 8,
+            [0.25, 0.5, 0.75, 0.2, 0.3, 0.31, 0.32, 0.33],
+        ]
+    r = torch.tensor(rows, dtype=torch.float32)
+    lengths = torch.tensor([[1.0 + (3 * i + j) % 7 for j in range(8)] for i in range(len(rows))])
+    out = compute_advantages(name, r, lengths=lengths, **({"k": 2} if name == "pass_at_k" else {}))
+    expected = torch.tensor(
+        [NAIVE[name](r[i].double().tolist(), lengths[i].double().tolist()) for i in range(len(rows))],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-6)
+    uniform = [i for i, row in enumerate(rows) if len(set(row)) == 1]
+    assert torch.equal(out[uniform], torch.zeros(len(uniform), 8))

@@ -143,7 +143,6 @@ def test_gspo_matches_sequence_loop_and_sequence_gradient():
             expected[t] = val
     torch.testing.assert_close(loss.detach(), torch.tensor(expected, dtype=torch.float64))
     assert 0 < clipped < int(mask.sum())  # some sequences clipped, some not
-    assert m["clip_frac_low"] + m["clip_frac_high"] == pytest.approx(clipped / int(mask.sum()))
 
     # GSPO-token + seq-mean-token-mean has the gradient of the sequence-level GSPO objective
     aggregate(loss, mask, "seq-mean-token-mean", seq_ids=seq).backward()
@@ -230,3 +229,50 @@ def test_metrics_merge_over_micro_batches_equals_whole():
     merged = a.merge(b).finalize()
     for k, v in whole.finalize().items():
         assert merged[k] == pytest.approx(v), k
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo"])
+def test_approx_kl_is_unclamped_mean_of_old_minus_logp_with_an_outlier(name):
+    """approx_kl = mean over masked tokens of (old - logp), not clamped: one outlier token (old - logp = 45, beyond the
+    +-20 clamp of the ratio) must show in full, as in the trainer's own ratio statistics (issue 17.2)."""
+    lp = torch.tensor([-1.0, -2.0, -50.0, -0.5, -3.0, -1.5], dtype=torch.float64)
+    old = torch.tensor([-1.1, -1.9, -5.0, -0.5, -9.0, -1.4], dtype=torch.float64)  # token 2: old - logp = 45
+    mask = torch.tensor([1, 1, 1, 1, 0, 1]).bool()  # token 4 (masked) must not count
+    seq = torch.tensor([0, 0, 0, 1, 1, 1])
+    _, m = POLICY_LOSSES[name](lp, old, torch.ones(6, dtype=torch.float64), mask, seq_ids=seq)
+    pairs = [(o - p) for p, o, k in zip(lp.tolist(), old.tolist(), mask.tolist(), strict=True) if k]
+    assert m["approx_kl"] == pytest.approx(sum(pairs) / len(pairs), rel=1e-12)
+    assert m["approx_kl"] > 8.0  # (45 + small) / 5; the clamped value would be (20 + small) / 5
+    # k3 stays finite: exp(x) - 1 - x on x = clamp(logp - old, +-20)
+    k3 = [math.exp(max(-d, -20.0)) - 1 - max(-d, -20.0) for d in pairs]
+    assert m["approx_kl_k3"] == pytest.approx(sum(k3) / len(k3), rel=1e-12)
+
+
+def _naive_gspo_sequence_clips(lp, old, adv, mask, seq, lo, hi):
+    """GSPO (Zheng et al. 2025) eq. 5-7 per sequence with python floats: s_i = exp(mean_t (logp - old)); the clip is
+    active where the clipped term is the larger loss: A_i < 0 and s_i < 1 - lo, or A_i > 0 and s_i > 1 + hi."""
+    ratios, low, high = [], 0, 0
+    for i in sorted({int(q) for q, k in zip(seq, mask, strict=True) if k and q >= 0}):
+        toks = [t for t in range(len(lp)) if int(seq[t]) == i and mask[t]]
+        s = math.exp(sum(float(lp[t]) - float(old[t]) for t in toks) / len(toks))
+        a = float(adv[toks[0]])
+        ratios.append(s)
+        low += a < 0 and s < 1 - lo
+        high += a > 0 and s > 1 + hi
+    n = len(ratios)
+    return {"clip_frac_low": low / n, "clip_frac_high": high / n, "ratio_mean": sum(ratios) / n,
+            "ratio_min": min(ratios), "ratio_max": max(ratios)}  # fmt: skip
+
+
+def test_gspo_metrics_are_sequence_clip_fractions_with_gspo_range():
+    """GSPO clips sequence ratios: its clip/ratio metrics are over sequences, with its own (tiny) clip range
+    (issue 17.4); a token count would weight long sequences more and a PPO range would never fire."""
+    lp, old, adv, mask, seq = _pack()
+    adv = torch.where(seq == 2, -2.0, adv)  # sequence 2 (ratio < 1 - lo) gets A < 0: clipped low
+    lo, hi = 3e-4, 4e-4
+    _, m = gspo(lp, old, adv, mask, clip_low=lo, clip_high=hi, seq_ids=seq)
+    expected = _naive_gspo_sequence_clips(lp, old, adv, mask, seq, lo, hi)
+    assert expected["clip_frac_low"] == pytest.approx(1 / 3) and expected["clip_frac_high"] == pytest.approx(1 / 3)
+    for k, v in expected.items():
+        assert m[k] == pytest.approx(v, rel=1e-12), k
+    assert m["dual_clip_frac"] == 0.0

@@ -66,7 +66,7 @@ def test_weights_and_metrics_match_loop(level, mode):
     assert m["rollout_is_mean"] == pytest.approx(statistics.mean(r))
     assert m["rollout_is_std"] == pytest.approx(statistics.stdev(r))
     assert m["rollout_is_min"] == pytest.approx(min(r)) and m["rollout_is_max"] == pytest.approx(max(r))
-    ess = sum(f) ** 2 / (len(f) * sum(x * x for x in f)) if any(f) else 1.0
+    ess = sum(f) ** 2 / (len(f) * sum(x * x for x in f)) if any(f) else 0.0
     assert m["rollout_is_eff_sample_size"] == pytest.approx(ess)
     assert m["rollout_is_ratio_fraction_high"] == pytest.approx(sum(x > upper for x in r) / len(r))
     assert m["rollout_is_ratio_fraction_low"] == pytest.approx(sum(x < 1 / upper for x in r) / len(r))
@@ -90,6 +90,32 @@ def test_veto_zeroes_whole_sequences():
     for s in vetoed:
         assert (w[seq == s] == 0).all()
     assert m["rollout_is_veto_fraction"] == pytest.approx(len(vetoed) / len(seqs))
+
+
+def test_veto_count_and_eff_sample_size_with_some_sequences_vetoed():
+    old, roll, mask, seq = _batch(seed=1, scale=1.0)
+    w, m = rollout_is_weights(old, roll, mask, level="token", mode="truncate", upper=2.0, veto_threshold=0.3,
+                              seq_ids=seq)  # fmt: skip
+    _, expected, _, vetoed, seqs = _naive(old, roll, mask, seq, "token", "truncate", 2.0, None, 0.3)
+    f = [x for x, k in zip(expected, mask.tolist(), strict=True) if k]
+    assert m["rollout_is_veto_count"] == len(vetoed)
+    assert m["rollout_is_eff_sample_size"] == pytest.approx(sum(f) ** 2 / (len(f) * sum(x * x for x in f)))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_every_sequence_vetoed_reports_zero_eff_sample_size(level):
+    """Every weight 0 (all sequences vetoed) is no data: ESS (sum w)^2 / (N sum w^2) has no effective sample, so 0,
+    not the 1.0 of a perfectly on-policy batch (issue 17.3); the veto count says how many sequences went."""
+    old, roll, mask, seq = _batch(seed=2)
+    old = torch.where(seq >= 0, roll - 5.0, old)  # every token ratio e^-5 < 0.1: every sequence is vetoed
+    w, m = rollout_is_weights(old, roll, mask, level=level, mode="truncate", upper=2.0, veto_threshold=0.1,
+                              seq_ids=seq)  # fmt: skip
+    _, _, _, vetoed, seqs = _naive(old, roll, mask, seq, level, "truncate", 2.0, None, 0.1)
+    assert vetoed == set(seqs) and len(seqs) == 3
+    assert torch.equal(w, torch.zeros_like(w))
+    assert m["rollout_is_eff_sample_size"] == 0.0
+    assert m["rollout_is_veto_fraction"] == 1.0
+    assert m["rollout_is_veto_count"] == 3.0
 
 
 def test_explicit_lower_bound_and_outside_mask():
@@ -119,6 +145,7 @@ def test_empty_mask_and_bad_arguments():
     w, m = rollout_is_weights(z, z, torch.zeros(5, dtype=torch.bool), upper=2.0)
     assert torch.equal(w, z)
     assert m["rollout_is_mean"] == 1.0 and m["rollout_is_veto_fraction"] == 0.0
+    assert m["rollout_is_eff_sample_size"] == 0.0 and m["rollout_is_veto_count"] == 0.0  # no data
     assert all(math.isfinite(v) for v in m.values())
     mm = mismatch_metrics(z, z, torch.zeros(5, dtype=torch.bool))
     assert mm["mismatch_kl"] == 0.0 and mm["mismatch_ppl_ratio"] == 1.0

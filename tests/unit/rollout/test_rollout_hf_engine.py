@@ -149,16 +149,28 @@ def test_stop_tokens_truncate_and_finish_reason(model, tok, prompts):
     assert all(len(g.response_ids) == 12 for g in free if g.finish_reason == FINISH_LENGTH)
 
 
-def test_temperature_and_top_p_change_samples_but_not_logprob_definition(model, tok, prompts):
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.0])
+def test_logprobs_are_of_the_tempered_distribution_before_top_p(model, tok, prompts, temperature):
+    """Rollout logprobs are log_softmax(logits / T) of the sampled token (the distribution sampled from, before top-p),
+    as the trainer scores them (issue 17.5); compared with an independent full forward of the model."""
     eng = _engine(model, tok)
-    hot = eng.generate(prompts[:1], SamplingParams(n=2, temperature=0.5, top_p=0.8, max_new_tokens=5, seed=0))
-    for g in hot:  # logprobs are of the raw (temperature 1) distribution: compare with the reference forward
+    params = SamplingParams(n=2, temperature=temperature, top_p=0.8, max_new_tokens=5, seed=0)
+    for g in eng.generate(prompts[:1], params):
         ids = torch.tensor([prompts[0] + g.response_ids])
         with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, -1)
         p = len(prompts[0])
         ref = [float(logp[p - 1 + j, t]) for j, t in enumerate(g.response_ids)]
         assert g.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_greedy_logprobs_are_untempered(model, tok, prompts):
+    (g,) = _engine(model, tok).generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=5))
+    ids = torch.tensor([prompts[0] + g.response_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    p = len(prompts[0])
+    assert g.logprobs == pytest.approx([float(logp[p - 1 + j, t]) for j, t in enumerate(g.response_ids)], abs=1e-4)
 
 
 def test_bad_inputs(model, tok):
