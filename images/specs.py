@@ -65,6 +65,17 @@ ENV = {
 }
 
 
+VLLM_VERSION = "0.32.0"
+"""vLLM of the GPU image's rollout server (rollout.engine=vllm); the CPU build for local runs is scripts/setup_vllm.sh."""
+VLLM_PYTHON = "/opt/vllm/bin/python"
+"""Its own venv: vLLM pins its torch and `transformers<5.20`, which rlpipe's pins do not allow in one environment."""
+VLLM_VENV_COMMANDS = [
+    "python -m venv /opt/vllm",
+    f"/opt/vllm/bin/pip install --no-cache-dir vllm=={VLLM_VERSION}",
+]
+"""Build steps of the GPU image: the separate vLLM venv the driver starts the server from (RLPIPE_VLLM_PYTHON)."""
+
+
 def _registry() -> str:
     """The image registry: RLPIPE_IMAGE_REGISTRY, else `rlpipe.deploy.IMAGE_REGISTRY` (the demo cluster's)."""
     return os.environ.get("RLPIPE_IMAGE_REGISTRY", IMAGE_REGISTRY)
@@ -84,10 +95,12 @@ def image_spec(kind: str) -> ImageSpec:
     if kind == "cpu":
         return ImageSpec(name="rlpipe-cpu", base_image=CPU_BASE_IMAGE, pip_extra_index_url=[CPU_TORCH_INDEX], **common)
     if kind == "gpu":
+        common["env"]["RLPIPE_VLLM_PYTHON"] = VLLM_PYTHON
         return ImageSpec(
             name="rlpipe-gpu",
             base_image=CUDA_BASE_IMAGE,
             pip_extra_index_url=[CUDA_TORCH_INDEX],
+            commands=list(VLLM_VENV_COMMANDS),
             **common,
         )
     raise ValueError(f"unknown image kind {kind!r}; expected 'cpu' or 'gpu'")

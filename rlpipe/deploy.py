@@ -61,6 +61,10 @@ HEAD_RESOURCES = RayGroupShape(cpu="1", memory="4Gi", gpu=0, replicas=1, shm="2G
 """Ray head: GCS, dashboard and the `rlpipe run` driver; started with num-cpus=0 so no actor lands on it."""
 CPU_WORKER = RayGroupShape(cpu="2", memory="4Gi", gpu=0, replicas=2, shm="2Gi")
 """CPU worker group: 2 pods x 2 CPUs hold the default train.world_size=2 TrainingWorkers (1 CPU each)."""
+GPU_HEAD = RayGroupShape(cpu="8", memory="48Gi", gpu=1, replicas=1, shm="16Gi")
+"""Ray head of the GPU profile: the `rlpipe run` driver and the vLLM rollout server it starts and owns
+(`rollout.engine=vllm`, on the pod's GPU, reached at 127.0.0.1, so its admin routes never leave the pod). Started
+with num-cpus=0 and num-gpus=0: Ray schedules no TrainingWorker there."""
 GPU_WORKER = RayGroupShape(cpu="8", memory="64Gi", gpu=1, replicas=2, shm="24Gi")
 """GPU worker group: one TrainingWorker per GPU (num_gpus=1), NCCL between pods."""
 
@@ -95,7 +99,7 @@ PROFILES: dict[str, DeployProfile] = {
         overlay="gpu",
         namespace="rlpipe-production",
         image=GPU_IMAGE,
-        head=HEAD_RESOURCES,
+        head=GPU_HEAD,
         worker=GPU_WORKER,
         worker_group="gpu-workers",
     ),

@@ -113,5 +113,5 @@ def trainer_probe_logprobs(
     old logprobs."""
     items = [SequenceItem(p.prompt_ids, p.response_ids, row=i) for i, p in enumerate(probe)]
     packs = pack_sequences(items, cfg.train.pack_max_length, pad_token_id, cfg.dp_size, pad_to_max_length=False)
-    values = controller.compute_logprobs(packs)
+    values = controller.compute_logprobs(packs, temperature=1.0)
     return scatter_to_rows(packs, values, len(items))

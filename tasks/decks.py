@@ -22,6 +22,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Clip fraction": ("clip_frac_low", "clip_frac_high", "dual_clip_frac"),
     "Throughput": ("train_tokens_per_s", "rollout_tokens_per_s"),
     "Phase time": ("rollout_time_s", "fit_time_s"),
+    "Served weight version": ("engine/weight_version", "engine/weight_lag"),
+    "Weight sync probe |diff|": ("engine/probe_max_abs_diff",),
 }
 """Panel title -> metric keys drawn in it (keys absent from the rows are skipped; empty panels still show)."""
 
@@ -61,6 +63,28 @@ def curves_html(rows: list[dict[str, float]], include_plotlyjs: bool | str = Tru
     return fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs)
 
 
+def served_html(served: list[dict]) -> str:
+    """Which server served which weights (the lineage manifest's `served` entries) as an HTML table; "" for none."""
+    if not served:
+        return ""
+    lines = [
+        f"<tr><td>{html.escape(str(s['iterations']))}</td><td>{html.escape(str(s['engine']))}</td>"
+        f"<td>{html.escape(_version_span(s['weight_versions']))}</td></tr>"
+        for s in served
+    ]
+    head = "<tr><th>iterations</th><th>engine and address</th><th>weight versions served</th></tr>"
+    return f"<h4>Rollout engine</h4><table border='1'>{head}{''.join(lines)}</table>"
+
+
+def _version_span(versions: list[int]) -> str:
+    """[3, 4, 5] -> '3..5 (3 iterations)'; -1 means never synced (engine=openai)."""
+    if not versions:
+        return ""
+    if all(v == -1 for v in versions):
+        return "never synced (off-policy)"
+    return f"{versions[0]}..{versions[-1]} ({len(versions)} iterations)"
+
+
 def table_html(rows: list[dict[str, float]]) -> str:
     """The metrics as an HTML table, one row per iteration (values escaped; 4 significant digits)."""
     if not rows:
@@ -75,6 +99,7 @@ class TrainingDecks:
         self.title = title
         self.publish_every_s = publish_every_s
         self.rows: list[dict[str, float]] = list(rows or [])
+        self.served: list[dict] = []  # the manifest's `served` entries, once a checkpoint has them
         self._last_publish = time.monotonic()  # first publish after `publish_every_s` (then at the end)
 
     def add(self, row: dict[str, float]) -> None:
@@ -85,7 +110,7 @@ class TrainingDecks:
 
     def render(self) -> dict[str, str]:
         """Deck name -> HTML."""
-        head = f"<h3>{html.escape(self.title)}</h3>"
+        head = f"<h3>{html.escape(self.title)}</h3>" + served_html(self.served)
         return {CURVES_DECK: head + curves_html(self.rows), TABLE_DECK: head + table_html(self.rows)}
 
     def publish(self) -> bool:

@@ -52,10 +52,14 @@ RETRIES = 2
 
 
 @cpu_task(timeout=timedelta(minutes=5))
-def resolve_config(config_file: FlyteFile | None = None, overrides: list[str] | None = None) -> str:
-    """Validate the YAML config (None = the built-in defaults) plus `key=value` overrides into one JSON string."""
+def resolve_config(config_file: FlyteFile | None = None, overrides: list[str] | None = None, engine: str = "") -> str:
+    """Validate the YAML config (None = the built-in defaults) plus `key=value` overrides into one JSON string;
+    `engine` (hf, vllm, sglang, openai; "" = the config's) sets `rollout.engine` after the overrides."""
     path = config_file.download() if config_file is not None else None
-    cfg = load_config(path, dict(parse_override(o) for o in (overrides or [])))
+    values = dict(parse_override(o) for o in (overrides or []))
+    if engine:
+        values["rollout.engine"] = engine
+    cfg = load_config(path, values)
     return json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
 
 

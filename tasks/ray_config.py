@@ -4,8 +4,9 @@ One source of truth: the kustomize manifests under `k8s/` and these task configs
 Flyte-launched RayJob and a hand-applied one get the same head, workers and resources.
 
 Shape of the job (KubeRay, via Flyte's Ray plugin):
-- head: CPU only and started with `num-cpus: 0`, so the scheduler never puts a TrainingWorker on it (the head runs
-  GCS, the dashboard and the task's driver process);
+- head: started with `num-cpus: 0` and `num-gpus: 0`, so the scheduler never puts a TrainingWorker on it (the head
+  runs GCS, the dashboard and the task's driver process; in the GPU profile its GPU is for the vLLM rollout server
+  the driver starts, `rollout.engine=vllm`);
 - one worker group (`cpu-workers` or `gpu-workers`) with `replicas` pods, requests == limits (Guaranteed QoS);
 - `shutdown_after_job_finishes=True` plus a TTL, so a finished or failed job frees its GPUs but its pods stay long
   enough to read their logs.
@@ -28,7 +29,7 @@ from rlpipe.deploy import GPU_RESOURCE, RayGroupShape, profile
 TTL_SECONDS_AFTER_FINISHED = 3600
 """Finished RayJobs (and their pods' logs) are kept one hour, then KubeRay deletes them."""
 
-HEAD_START_PARAMS = {"num-cpus": "0", "include-dashboard": "true", "dashboard-host": "0.0.0.0"}
+HEAD_START_PARAMS = {"num-cpus": "0", "num-gpus": "0", "include-dashboard": "true", "dashboard-host": "0.0.0.0"}
 """`ray start` flags of the head: no CPUs advertised (no actor lands on it); dashboard reachable in the pod network."""
 
 

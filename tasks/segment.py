@@ -65,6 +65,7 @@ def rl_segment(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint |
         final = storage.describe(published[-1]) if published else origin
     else:
         final = storage.describe(result.checkpoint)
+    decks.served = [s.model_dump() for s in read_manifest(result.checkpoint).served]
     decks.publish()
     rows = [r for r in decks.rows if r.get("iteration", 0) > start_iteration]
     checkpoint = tag(CheckpointArtifact, final, user.experiment, final.step)

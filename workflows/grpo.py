@@ -8,6 +8,7 @@ tasks per iteration; every batch and checkpoint is a typed output (cacheable, in
     pyflyte run workflows/grpo.py grpo                       # built-in task, tiny default model, local Ray, CPU
     pyflyte run workflows/grpo.py grpo --overrides '["iterations=4", "train.world_size=1"]'
     pyflyte run workflows/grpo.py grpo_granular --config_file my.yaml
+    pyflyte run workflows/grpo.py grpo --engine vllm          # rollouts from a managed vLLM server (setup_vllm.sh)
 """
 
 from __future__ import annotations
@@ -97,15 +98,17 @@ def grpo(
     checkpoint: str = "",
     resume: bool = False,
     more_iterations: int = 0,
+    engine: str = "",
 ) -> RunOut:
     """RL post-training, segment by segment (fast). With no inputs: the tiny default model on the built-in task.
 
     config_file: YAML PipelineConfig (None = defaults); overrides: `section.field=value` strings applied on top;
     model_dir: start from this HF model directory instead of `model.path`/the tiny default; checkpoint: start from
     this checkpoint (path or URI); resume: start from the newest complete checkpoint of the experiment under
-    `checkpoint.root`; more_iterations: run this many iterations past the start (0 = up to `iterations`).
+    `checkpoint.root`; more_iterations: run this many iterations past the start (0 = up to `iterations`); engine:
+    the rollout engine (hf, vllm, sglang, openai; "" = `rollout.engine` of the config).
     """
-    cfg = resolve_config(config_file=config_file, overrides=overrides)
+    cfg = resolve_config(config_file=config_file, overrides=overrides, engine=engine)
     model = base_model(config=cfg, model_dir=model_dir)
     start = start_point(config=cfg, checkpoint=checkpoint, resume=resume)
     return segments(config=cfg, model=model, start=start, more_iterations=more_iterations)
@@ -119,9 +122,10 @@ def grpo_granular(
     checkpoint: str = "",
     resume: bool = False,
     more_iterations: int = 0,
+    engine: str = "",
 ) -> RunOut:
     """RL post-training with one task per phase per iteration (debugging, caching, lineage). Inputs as `grpo`."""
-    cfg = resolve_config(config_file=config_file, overrides=overrides)
+    cfg = resolve_config(config_file=config_file, overrides=overrides, engine=engine)
     model = base_model(config=cfg, model_dir=model_dir)
     start = start_point(config=cfg, checkpoint=checkpoint, resume=resume)
     return granular(config=cfg, model=model, start=start, more_iterations=more_iterations)

@@ -2,8 +2,10 @@
 
 The prompt is sent as a list of token ids and the sampled tokens come back as ids (vLLM's
 ``return_tokens_as_token_ids``: tokens look like ``"token_id:123"``), so no detokenise/retokenise round trip can
-change the tokens the trainer scores. Logprobs are the server's per-token ``token_logprobs``; for them to be the raw
-policy distribution (as the HF engine reports) start vLLM with ``--logprobs-mode raw_logprobs`` (V1 default).
+change the tokens the trainer scores. Logprobs are the server's per-token ``token_logprobs``; for them to be the
+distribution the trainer scores (logits / temperature, before top-p/top-k, as the HF engine reports) start vLLM with
+``--logprobs-mode processed_logprobs`` and keep top_p=1, top_k=0 (processed logprobs include those filters), or use
+``raw_logprobs`` (the V1 default) only at temperature 1.
 Only the stdlib is used (urllib); prompts are sent concurrently, one request per prompt with ``n`` samples.
 """
 

@@ -122,11 +122,14 @@ class TrainingController:
                 out.append(gen)
         return out
 
-    def compute_logprobs(self, packs: list[Pack], reference: bool = False) -> list:
-        """Old (or reference) logprobs per pack, in the original pack order."""
+    def compute_logprobs(self, packs: list[Pack], reference: bool = False, temperature: float | None = None) -> list:
+        """Old (or reference) logprobs per pack, in the original pack order; `temperature` overrides the RL scoring
+        temperature (policy only)."""
         shards = self.shard(packs)
-        method = "compute_ref_logprobs" if reference else "compute_logprobs"
-        results = self._per_rank(method, [(s,) for s in shards])
+        if reference:
+            results = self._per_rank("compute_ref_logprobs", [(s,) for s in shards])
+        else:
+            results = self._per_rank("compute_logprobs", [(s, temperature) for s in shards])
         return self._unshard(results, len(packs))
 
     def fit(self, minibatches: list[list[Pack]], iteration: int, total_steps: int, old=None, ref=None) -> FitMetrics:

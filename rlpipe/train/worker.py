@@ -130,10 +130,13 @@ class TrainingWorker:
 
     # ----------------------------------------------------------------- logprobs
     @torch.no_grad()
-    def compute_logprobs(self, packs: list[Pack]) -> list[torch.Tensor]:
-        """Old-policy logprobs, recomputed by the actor (never taken from the rollout engine)."""
+    def compute_logprobs(self, packs: list[Pack], temperature: float | None = None) -> list[torch.Tensor]:
+        """Old-policy logprobs, recomputed by the actor (never taken from the rollout engine), at the RL scoring
+        temperature unless `temperature` is given (the weight-sync probe scores at 1, as the server's
+        prompt_logprobs do)."""
+        t = self.temperature if temperature is None else temperature
         self.policy.eval()
-        out = [self.policy.logprobs(p.to(self.device), self.temperature).cpu() for p in packs]
+        out = [self.policy.logprobs(p.to(self.device), t).cpu() for p in packs]
         self.policy.train()
         return out
 

@@ -30,13 +30,17 @@ def isolated_home(tmp_path, monkeypatch):
 
 
 def test_gpu_ray_job_config_matches_deploy_constants():
-    from rlpipe.deploy import GPU_WORKER, HEAD_RESOURCES
+    from rlpipe.deploy import GPU_HEAD, GPU_WORKER, HEAD_RESOURCES
     from tasks.ray_config import ray_job_config
 
     cfg = ray_job_config("gpu")
     assert cfg.shutdown_after_job_finishes is True and cfg.ttl_seconds_after_finished > 0
-    assert cfg.head_node_config.ray_start_params["num-cpus"] == "0"
-    assert cfg.head_node_config.requests.gpu is None and cfg.head_node_config.requests.cpu == HEAD_RESOURCES.cpu
+    # the head's GPU is for the vLLM server the driver starts: Ray itself advertises no CPU and no GPU there
+    assert cfg.head_node_config.ray_start_params["num-cpus"] == cfg.head_node_config.ray_start_params["num-gpus"] == "0"
+    head = cfg.head_node_config.requests
+    assert (head.cpu, head.mem, head.gpu) == (GPU_HEAD.cpu, GPU_HEAD.memory, "1")
+    assert ray_job_config("cpu").head_node_config.requests.gpu is None
+    assert ray_job_config("cpu").head_node_config.requests.cpu == HEAD_RESOURCES.cpu
     (group,) = cfg.worker_node_config
     assert group.group_name == "gpu-workers" and group.replicas == GPU_WORKER.replicas
     assert group.requests == group.limits
@@ -361,6 +365,33 @@ def test_artifact_partitions_are_attached_to_the_output_literal():
     art = artifact_id_pb2.ArtifactID()
     art.ParseFromString(b64decode(meta["_uap"]))
     assert {k: v.static_value for k, v in art.partitions.value.items()} == {"experiment": "exp-a", "step": "42"}
+
+
+def test_served_weights_appear_in_the_deck():
+    """The Deck names the server and the weight versions it served (from the manifest's `served` entries)."""
+    from tasks.decks import TrainingDecks
+
+    decks = TrainingDecks("t")
+    decks.served = [
+        {"iterations": "1-3", "engine": "vllm http://127.0.0.1:8123", "weight_versions": [0, 1, 2]},
+        {"iterations": "4", "engine": "openai http://10.0.0.2:8000", "weight_versions": [-1]},
+    ]
+    page = decks.render()["Metrics table"]
+    assert "vllm http://127.0.0.1:8123" in page and "0..2 (3 iterations)" in page
+    assert "never synced (off-policy)" in page
+    assert "Rollout engine" not in TrainingDecks("hf run").render()["Metrics table"]
+
+
+def test_resolve_config_engine_input_sets_rollout_engine():
+    import json
+
+    from rlpipe.errors import ConfigError
+    from tasks.phases import resolve_config
+
+    assert json.loads(resolve_config(engine="vllm"))["rollout"]["engine"] == "vllm"
+    assert json.loads(resolve_config())["rollout"]["engine"] == "hf"
+    with pytest.raises(ConfigError, match="rollout_is"):  # a server nobody syncs is off-policy: IS must be on
+        resolve_config(engine="openai", overrides=["rollout.server_url=http://127.0.0.1:9"])
 
 
 def test_resolve_config_applies_overrides_and_validates(tmp_path):

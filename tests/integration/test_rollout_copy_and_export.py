@@ -18,21 +18,22 @@ from ..conftest import tiny_overrides
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def _rollout_copy_state(worker) -> tuple[float, str]:
-    """(max |rollout copy - policy| over every weight, digest of the copy), run inside a worker."""
-    import hashlib
-
-    from rlpipe.train.policy import full_hf_state_dict
-
-    policy = full_hf_state_dict(worker.policy)
-    copy = dict(worker.rollout_model.named_parameters())
-    assert set(copy) <= set(policy), set(copy) - set(policy)
-    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for _, p in sorted(copy.items())))
-    return max(float((p - policy[n].to(p)).abs().max()) for n, p in copy.items()), digest.hexdigest()
-
-
 def _synced_copy(session: RLSession) -> str:
     """Sample once (this syncs a stale copy), then check every rank's copy equals its policy; the copy's digest."""
+
+    # Defined here so cloudpickle ships it by value: the workers cannot import the `tests` package.
+    def _rollout_copy_state(worker) -> tuple[float, str]:
+        """(max |rollout copy - policy| over every weight, digest of the copy), run inside a worker."""
+        import hashlib
+
+        from rlpipe.train.policy import full_hf_state_dict
+
+        policy = full_hf_state_dict(worker.policy)
+        copy = dict(worker.rollout_model.named_parameters())
+        assert set(copy) <= set(policy), set(copy) - set(policy)
+        digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for _, p in sorted(copy.items())))
+        return max(float((p - policy[n].to(p)).abs().max()) for n, p in copy.items()), digest.hexdigest()
+
     session.controller.generate([[1, 5, 6]] * session.controller.world_size, SamplingParams(n=2, max_new_tokens=2))
     states = ray.get([w.__ray_call__.remote(_rollout_copy_state) for w in session.controller.workers])
     for diff, _ in states:

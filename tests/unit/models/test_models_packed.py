@@ -57,12 +57,13 @@ def _sequences():
     ]
 
 
-def _reference_logprobs(model, prompt, response):
-    """Naive loop: run one sequence alone through the full model and read log p(response_j | prefix)."""
+def _reference_logprobs(model, prompt, response, temperature=1.0):
+    """Naive loop: run one sequence alone through the full model and read log p(response_j | prefix) under
+    softmax(logits / temperature)."""
     ids = torch.tensor(prompt + response)[None]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     out = []
     for j, tok in enumerate(response):
         out.append(logp[len(prompt) - 1 + j, tok].item())
@@ -87,6 +88,22 @@ def test_packed_logprobs_equal_per_sequence(model, attn):
     for row, ref in enumerate(refs):
         got = lp[(pack.seq_index == row) & (pack.shifted_labels != -100)]
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.3])
+def test_packed_logprobs_at_a_sampling_temperature(model, temperature):
+    """The trainer's old/current logprobs at T equal log_softmax(logits / T) of each sequence run alone (and differ
+    from the untempered ones, so the check has teeth)."""
+    seqs = _sequences()
+    (pack,) = pack_sequences([SequenceItem(p, r, row=i) for i, (p, r) in enumerate(seqs)], 32, pad_token_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(model, pack, chunk_size=4, temperature=temperature)
+        untempered = token_logprobs(model, pack, chunk_size=4)
+    scored = pack.shifted_labels != -100
+    assert (lp[scored] - untempered[scored]).abs().max() > 1e-3
+    for row, (p, r) in enumerate(seqs):
+        got = lp[(pack.seq_index == row) & scored]
+        torch.testing.assert_close(got, torch.tensor(_reference_logprobs(model, p, r, temperature)), atol=1e-5, rtol=0)
 
 
 def test_tensor_form_equals_pack_form_and_hidden_is_isolated(model):
