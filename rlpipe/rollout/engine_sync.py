@@ -116,13 +116,23 @@ class EngineSync:
 
         if isinstance(exc, WeightSyncError) or not getattr(self.engine, "restartable", False):
             return False
-        if self.engine.alive():
+        if self._still_alive(grace_s=10.0):
             return False  # a live server that errs is a bug to report, not a crash to paper over
         if self.restarts >= self.max_restarts:
             raise RolloutServerError(
                 f"{self.engine.name} died again after {self.restarts} restarts; giving up: {exc}"
             ) from exc
         return True
+
+    def _still_alive(self, grace_s: float) -> bool:
+        """Whether the server is alive `grace_s` after an error: a killed server resets connections a moment before
+        its process is gone, so a single check right after the error can still see it running."""
+        deadline = time.monotonic() + grace_s
+        while self.engine.alive():
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.2)
+        return False
 
     def close(self) -> None:
         self.engine.close()

@@ -53,7 +53,9 @@ def test_grpo_on_vllm_is_on_policy_every_iteration_learns_and_survives_a_server_
     from rlpipe.train import checkpoint as ckpt
     from rlpipe.train.lineage import read_manifest
 
-    cfg = _vllm_config(tmp_path, iterations=24, segment_size=24, **{"train.world_size": 2, "checkpoint.every": 8})
+    # 4 optimizer steps per iteration: more learning per rollout, and 4 steps between two rollouts must cost 1 sync
+    cfg = _vllm_config(tmp_path, iterations=24, segment_size=24,
+                       **{"train.world_size": 2, "checkpoint.every": 8, "train.optimizer_steps": 4})  # fmt: skip
     lines: list[str] = []
 
     def kill_server_after_iteration_10(row):
@@ -74,16 +76,19 @@ def test_grpo_on_vllm_is_on_policy_every_iteration_learns_and_survives_a_server_
         assert row["mismatch/mismatch_k3_kl"] < 1e-3, it
         prev_step = row["optimizer_step"]
     assert [int(r["iteration"]) for r in rows if r["engine/restarts"] > 0] == [11]
-    assert sum(r["engine/syncs"] for r in rows) >= 24  # one per iteration, plus the re-sync after the restart
+    assert [r["optimizer_step"] for r in rows] == [4.0 * i for i in range(1, 25)]
+    # one sync per rollout however many optimizer steps came before it; the restart may add one re-sync
+    assert all(r["engine/syncs"] == 1 for r in rows if r["engine/restarts"] == 0), [r["engine/syncs"] for r in rows]
+    assert sum(r["engine/syncs"] for r in rows) <= 25
     first, last = np.mean([r["reward_mean"] for r in rows[:6]]), np.mean([r["reward_mean"] for r in rows[-6:]])
     assert last > first + 0.03, (first, last)
 
     saved = ckpt.list_checkpoints(cfg.checkpoint.root, cfg.experiment)
-    assert [p.name for p in saved] == ["step-000008", "step-000016", "step-000024"]
+    assert [p.name for p in saved] == ["step-000032", "step-000064", "step-000096"]  # named by optimizer step
     for path in saved:
         ckpt.verify_checkpoint(path)
     served = [s for p in saved for s in read_manifest(p).served]
-    assert served[0].iterations == "1-8" and served[0].weight_versions == list(range(8))
+    assert served[0].iterations == "1-8" and served[0].weight_versions == list(range(0, 32, 4))
     assert all(s.engine.startswith("vllm http://127.0.0.1:") for s in served)
     assert not list(Path(cfg.checkpoint.root, cfg.experiment).glob(".tmp*"))
 
