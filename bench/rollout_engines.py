@@ -39,7 +39,7 @@ ENGINES = ("hf", "vllm")
 
 
 def run_pipeline(work: Path, engine: str, overrides: list[str], vllm_python: str) -> tuple[list[dict], float, str]:
-    """`rlpipe run` with `engine`; returns its metrics rows, wall time and the vLLM log (empty for hf)."""
+    """`rlpipe run` with `engine`; returns its metrics rows, wall time and the run's stdout log."""
     out = work / engine
     cmd = [sys.executable, "-m", "rlpipe.cli", "run", "--set", f"output_dir={out / 'out'}",
            "--set", f"checkpoint.root={out / 'ckpt'}", "--set", f"rollout.engine={engine}",
@@ -48,12 +48,13 @@ def run_pipeline(work: Path, engine: str, overrides: list[str], vllm_python: str
         cmd += ["--set", f"rollout.vllm.python={vllm_python}"]
     for o in overrides:
         cmd += ["--set", o]
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.DEVNULL)
+    with open(out / "run.log", "w") as run_log:  # the run's own log: the managed server's "ready ... after N s"
+        subprocess.run(cmd, check=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=run_log)
     wall = time.perf_counter() - start
     metrics = next((out / "out").glob("*/metrics.jsonl"))
-    logs = list((out / "out" / "logs").glob("vllm-*.log"))
-    return [json.loads(line) for line in metrics.read_text().splitlines()], wall, logs[0].read_text() if logs else ""
+    return [json.loads(line) for line in metrics.read_text().splitlines()], wall, (out / "run.log").read_text()
 
 
 def summarize(model: str, engine: str, rows: list[dict], wall: float, log: str) -> list[object]:
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                                   "train.pack_max_length=512", "train.lr=1e-6", "rollout.batch_size=32"],
     }  # fmt: skip
     rows = []
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="rollout-engines-") as tmp:
         for model in args.models.split(","):
             name = "smollm2-135m" if model == "smollm2" else model
@@ -102,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(table(HEADERS, [rows[-1]]), flush=True)
     body = table(HEADERS, rows) + (
         f"\n\nSame work per engine: {args.iterations} GRPO iterations of `sum` (tiny: 64 prompts x 8 samples x 6 tokens; "
-        "SmolLM2: 8 x 4 x 32, chat template). Medians over iterations 2..K; vLLM's rollout time includes the weight sync."
+        "SmolLM2: 8 x 4 x 32, chat template). Medians over iterations 2..K; vLLM's rollout time includes the weight sync. "
+        f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores: above 2, "
+        "other work shared them, and the engines ran one after the other, so the ratio carries that drift)."
     )
     print(body)
     if not args.no_record:
