@@ -38,7 +38,12 @@ def _open(cfg: PipelineConfig, checkpoint: str | None, log: Log = print, pipelin
 
 
 def rollout(cfg: PipelineConfig, checkpoint: str | None, iteration: int) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Sample and judge the next prompts with the checkpoint's policy (the checkpoint's sampler decides which)."""
+    """Sample and judge the next prompts with the checkpoint's policy (the checkpoint's sampler decides which).
+
+    Granular phases are synchronous whatever `rollout.max_staleness` says (docs/FLYTE.md says why)."""
+    if cfg.rollout.max_staleness:
+        print(f"rollout: the granular phases are synchronous; rollout.max_staleness={cfg.rollout.max_staleness} "
+              "applies to the segment loop (rl_segment, rlpipe run)")  # fmt: skip
     session = _open(cfg, checkpoint)
     try:
         _expect_iteration(session, iteration)
