@@ -84,14 +84,35 @@ def _cfg(root, **extra):
         "rollout.prompts_per_step": 8, "rollout.n": 4, **extra}))  # fmt: skip
 
 
-def _run(root, splits):
-    cfg = _cfg(root)
-    rows, ckpt = [], None
-    for n in splits:
-        result = run_segment(cfg, ckpt, n)
-        rows += result.metrics
-        ckpt = result.checkpoint
-    return rows, ckpt
+class Killed(Exception):
+    pass
+
+
+def _straight(root):
+    result = run_segment(_cfg(root), None, 6)
+    return result.metrics, result.checkpoint
+
+
+def _killed_and_resumed(root):
+    """Checkpoint every 3 iterations; the task dies after iteration 4 (batch 5 in flight); a retry resumes from the
+    newest checkpoint, which holds batch 4, sampled before the checkpoint from the weights after iteration 2."""
+    from rlpipe.train.checkpoint import latest_checkpoint, load_train_state
+
+    cfg = _cfg(root, **{"checkpoint.every": 3})
+    rows: list[dict] = []
+
+    def die_after_4(row):
+        rows.append(row)
+        if row["iteration"] == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_segment(cfg, None, 6, on_iteration=die_after_4)
+    resume = latest_checkpoint(cfg.checkpoint.root, cfg.experiment)
+    assert resume is not None and load_train_state(resume).iteration == 3
+    assert [e["iteration"] for e in load_train_state(resume).extra["pending_rollouts"]] == [4]
+    result = run_segment(cfg, str(resume), 6)
+    return rows[:3] + result.metrics, result.checkpoint
 
 
 TIMING = ("time", "per_s", "peak_memory", "wait_s")
@@ -99,8 +120,8 @@ SYNC_MECHANICS = ("engine/syncs", "engine/probe_max_abs_diff")  # where syncs ha
 
 
 def test_k1_staleness_from_logged_versions_mismatch_and_resume_parity(tmp_path, inproc_engine):
-    straight, ckpt_a = _run(tmp_path / "a", [6])
-    resumed, ckpt_b = _run(tmp_path / "b", [3, 3])  # a new session (a killed task's retry) from iteration 3
+    straight, ckpt_a = _straight(tmp_path / "a")
+    resumed, ckpt_b = _killed_and_resumed(tmp_path / "b")
     assert [int(r["iteration"]) for r in straight] == [1, 2, 3, 4, 5, 6]
 
     # staleness, from the logged versions only: batch t was sampled from the weights logged after iteration t-2
@@ -116,7 +137,7 @@ def test_k1_staleness_from_logged_versions_mismatch_and_resume_parity(tmp_path, 
     assert all(abs(r["mismatch/mismatch_kl"]) > 1e-5 for r in straight[2:])
     assert any(k.startswith("rollout_is/") for k in straight[-1]), sorted(straight[-1])
 
-    # kill-and-resume parity: the checkpoint after iteration 3 carried batch 4 (sampled from the weights after 2)
+    # kill-and-resume parity: same prompts, batches, counters and metrics as the uninterrupted run
     assert len(resumed) == 6
     for ra, rb in zip(straight, resumed, strict=True):
         keys = {k for k in ra if not any(t in k for t in TIMING) and k not in SYNC_MECHANICS}
