@@ -87,6 +87,7 @@ class RolloutProducer:
         self._sample = sample
         self._permits: queue.Queue[_Permit | None] = queue.Queue()
         self.out: queue.Queue[SampledBatch | BaseException] = queue.Queue()
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -94,7 +95,7 @@ class RolloutProducer:
         self._permits.put(permit)
 
     def _run(self) -> None:
-        while (permit := self._permits.get()) is not None:
+        while (permit := self._permits.get()) is not None and not self._stopping.is_set():
             try:
                 self.out.put(self._sample(permit))
             except BaseException as exc:  # handed to the driver, which raises it
@@ -115,7 +116,8 @@ class RolloutProducer:
             return item
 
     def stop(self) -> None:
-        """Finish the batch in flight (weights never change inside one) and end the thread."""
+        """Finish the batch in flight (weights never change inside one), skip the permitted rest, end the thread."""
+        self._stopping.set()
         self._permits.put(None)
         self._thread.join()
 

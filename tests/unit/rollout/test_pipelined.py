@@ -189,3 +189,23 @@ def test_config_requires_a_synced_server_and_rollout_is():
         load_config(overrides={"rollout.max_staleness": 1, "rollout.engine": "vllm"})
     cfg = load_config(overrides={"rollout.max_staleness": 1, "rollout.engine": "vllm", "algo.rollout_is.enabled": True})
     assert cfg.rollout.max_staleness == 1 and load_config().rollout.max_staleness == 0
+
+
+def test_a_driver_failure_finishes_the_batch_in_flight_and_samples_no_more():
+    engine = Engine()
+    session = Session(2, 6, engine)  # k=2: batches 1, 2 and 3 are permitted at once
+    failed = threading.Event()
+
+    def before_batch():
+        if len(engine.batches) == 1:  # batch 2 is in flight when the driver fails
+            assert failed.wait(WAIT)
+            time.sleep(0.2)
+
+    def during_train(t):
+        failed.set()
+        raise RuntimeError("trainer died")
+
+    engine.before_batch, session.during_train = before_batch, during_train
+    with pytest.raises(RuntimeError, match="trainer died"):
+        _run(2, 6, session, engine)
+    assert len(engine.batches) == 2  # batch 2 finished (no half batch), batch 3 never started
