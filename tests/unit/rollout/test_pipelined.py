@@ -209,3 +209,39 @@ def test_a_driver_failure_finishes_the_batch_in_flight_and_samples_no_more():
     with pytest.raises(RuntimeError, match="trainer died"):
         _run(2, 6, session, engine)
     assert len(engine.batches) == 2  # batch 2 finished (no half batch), batch 3 never started
+
+
+def _checkpoint_with_pending(tmp_path, iteration: int, entries: list[tuple[int, int]]) -> str:
+    """A train_state.json + pending parquet files as `RolloutPipeline._save_pending` writes them."""
+    from rlpipe.pipelined import PENDING_DIR, PENDING_KEY
+    from rlpipe.rollout.batch import ROLLOUT_SCHEMA, write_batch
+    from rlpipe.train.checkpoint import TrainState, write_train_state
+
+    # empty, as when every group is filtered out (rollout.filter_uniform_groups): it must still round-trip
+    frame = pd.DataFrame({c: [] for c in ROLLOUT_SCHEMA.names}, columns=ROLLOUT_SCHEMA.names)
+    (tmp_path / PENDING_DIR).mkdir()
+    meta = []
+    for j, s in entries:
+        rel = f"{PENDING_DIR}/iteration-{j:08d}.parquet"
+        write_batch(frame, tmp_path / rel)
+        meta.append({"iteration": j, "weights_iteration": s, "weight_version": s, "num_prompts": 2,
+                     "stats": {"reward_mean": 0.5}, "file": rel})  # fmt: skip
+    write_train_state(tmp_path, TrainState(step=iteration, iteration=iteration, extra={PENDING_KEY: meta}))
+    return str(tmp_path)
+
+
+def test_pending_batches_are_checked_against_the_resumed_runs_k(tmp_path):
+    from rlpipe.pipelined import load_pending, refuse_pending
+    from rlpipe.rollout.batch import ROLLOUT_SCHEMA
+
+    ck = _checkpoint_with_pending(tmp_path, 3, [(4, 1), (5, 2)])  # a k=2 run's checkpoint after iteration 3
+    got = load_pending(ck, origin=3, k=2)
+    assert [(b.iteration, b.weights_iteration, b.stats) for b in got] == [(4, 1, {"reward_mean": 0.5}),
+                                                                         (5, 2, {"reward_mean": 0.5})]  # fmt: skip
+    assert len(got[0].batch) == 0 and list(got[0].batch.columns) == ROLLOUT_SCHEMA.names
+    with pytest.raises(ConfigError, match="rollout.max_staleness >= 2"):
+        load_pending(ck, origin=3, k=1)  # batch 4 would be trained 2 updates after its weights
+    with pytest.raises(ConfigError, match="holds 2 rollout batch"):
+        refuse_pending(ck)  # the synchronous loop would skip prompts 4 and 5
+    refuse_pending(None)
+    refuse_pending(str(tmp_path / "missing"))  # not a checkpoint: the session reports it with its own checks
