@@ -39,8 +39,9 @@ def test_k1_on_vllm_stays_within_staleness_logs_the_gap_and_keeps_learning(tmp_p
         assert r["engine/weight_version"] == step_after[max(0, t - 2)], t
         assert r["staleness"] == min(1, t - 1)
         assert "mismatch/mismatch_k3_kl" in r and "rollout_is/rollout_is_mean" in r
-        if t <= 2:  # sampled from the weights the trainer holds: on-policy
+        if t == 1:  # sampled from the weights the trainer holds: on-policy (batch 2 too is from the base weights,
+            # but trained after update 1)
             assert r["mismatch/mismatch_k3_kl"] < 1e-3, t
-    assert max(r["mismatch/mismatch_k3_kl"] for r in rows[2:]) > 1e-5  # one update old: a real gap, measured
+    assert min(r["mismatch/mismatch_k3_kl"] for r in rows[1:]) > 1e-5  # one update old: a real gap, measured
     first, last = np.mean([r["reward_mean"] for r in rows[:3]]), np.mean([r["reward_mean"] for r in rows[-3:]])
     assert last > first - 0.05, (first, last)  # no collapse (10 iterations are too few to demand a rise)
