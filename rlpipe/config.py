@@ -136,6 +136,14 @@ class RolloutConfig(_Strict):
     judge: str = Field("auto", description="Reward function name (see rlpipe.rollout.judges.JUDGES).")
     filter_uniform_groups: bool = Field(False, description="Drop groups whose rewards are all equal (no signal).")
     eval_temperature: float = Field(0.0, ge=0, description="Temperature of `evaluate` (0 = greedy).")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="0: rollout, then train, strictly in turn (synchronous). k >= 1: a producer thread samples batch "
+        "i+1 from the server engine while the trainer trains batch i; batch i is sampled from the weights after "
+        "iteration i-1-k (exactly k updates old; rlpipe.pipelined). Needs a synced server engine (vllm, sglang) "
+        "and algo.rollout_is.enabled to correct the gap.",
+    )
 
 
 class RolloutISConfig(_Strict):
@@ -289,6 +297,7 @@ class PipelineConfig(_Strict):
                 "is off-policy: set algo.rollout_is.enabled=true to correct for it (see mismatch/* metrics), or use "
                 "rollout.engine=vllm / sglang, which sync the weights after every update"
             )
+        _check_staleness(self)
         max_model_len = self.rollout.vllm.max_model_len
         if self.rollout.engine == "vllm" and max_model_len is not None and max_model_len < longest:
             raise ValueError(
@@ -312,6 +321,27 @@ class PipelineConfig(_Strict):
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.root) / self.experiment
+
+
+def _check_staleness(cfg: PipelineConfig) -> None:
+    """rollout.max_staleness >= 1 overlaps a server's sampling with training, which only a synced server allows."""
+    k = cfg.rollout.max_staleness
+    if k == 0:
+        return
+    if cfg.rollout.engine not in ("vllm", "sglang"):
+        why = (
+            "the hf engine samples inside the training workers, so sampling and training cannot overlap"
+            if cfg.rollout.engine == "hf"
+            else "the openai engine is never synced, so its staleness is not bounded by k"
+        )
+        raise ValueError(
+            f"rollout.max_staleness={k} needs a synced server engine (rollout.engine=vllm or sglang): {why}"
+        )
+    if not cfg.algo.rollout_is.enabled:
+        raise ValueError(
+            f"rollout.max_staleness={k} trains on batches sampled {k} update(s) ago: set "
+            "algo.rollout_is.enabled=true so rollout importance sampling corrects for the older policy"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> PipelineConfig:

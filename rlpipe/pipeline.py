@@ -28,12 +28,22 @@ class SegmentResult:
     metrics: list[dict[str, float]] = field(default_factory=list)
 
 
-def _open(cfg: PipelineConfig, checkpoint: str | None, log: Log = print) -> RLSession:
+def _open(cfg: PipelineConfig, checkpoint: str | None, log: Log = print, pipelined: bool = False) -> RLSession:
+    """A session; only the pipelined segment loop may resume a checkpoint holding batches sampled ahead."""
+    if not pipelined:
+        from rlpipe.pipelined import refuse_pending
+
+        refuse_pending(checkpoint)
     return RLSession(cfg, prepare_base_model(cfg, log), checkpoint, log)
 
 
 def rollout(cfg: PipelineConfig, checkpoint: str | None, iteration: int) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Sample and judge the next prompts with the checkpoint's policy (the checkpoint's sampler decides which)."""
+    """Sample and judge the next prompts with the checkpoint's policy (the checkpoint's sampler decides which).
+
+    Granular phases are synchronous whatever `rollout.max_staleness` says (docs/FLYTE.md says why)."""
+    if cfg.rollout.max_staleness:
+        print(f"rollout: the granular phases are synchronous; rollout.max_staleness={cfg.rollout.max_staleness} "
+              "applies to the segment loop (rl_segment, rlpipe run)")  # fmt: skip
     session = _open(cfg, checkpoint)
     try:
         _expect_iteration(session, iteration)
@@ -133,24 +143,45 @@ def run_segment(
     on_iteration: Callable[[dict[str, float]], None] | None = None,
     log: Log = print,
 ) -> SegmentResult:
-    """k iterations with the weights resident, then one checkpoint (plus every `checkpoint.every` iterations)."""
-    session = _open(cfg, checkpoint, log)
+    """k iterations with the weights resident, then one checkpoint (plus every `checkpoint.every` iterations).
+
+    With `rollout.max_staleness >= 1` the iterations are pipelined (`rlpipe.pipelined`): sampling overlaps training.
+    """
+    pipelined = cfg.rollout.max_staleness > 0
+    session = _open(cfg, checkpoint, log, pipelined=pipelined)
     try:
-        rows: list[dict[str, float]] = []
-        last, saved_at = checkpoint, session.state.iteration
-        for _ in range(max(0, min(k, cfg.iterations - session.state.iteration))):
-            row = iteration_step(session, log)
-            rows.append(row)
-            if on_iteration is not None:
-                on_iteration(row)
-            every = cfg.checkpoint.every
-            if every and session.state.iteration % every == 0:
-                last, saved_at = session.save("segment", row), session.state.iteration
-        if last is None or saved_at != session.state.iteration:
-            last = session.save("segment", rows[-1] if rows else None)
-        return SegmentResult(checkpoint=last, metrics=rows)
+        n = max(0, min(k, cfg.iterations - session.state.iteration))
+        if not pipelined:
+            return _segment_loop(session, checkpoint, n, lambda: iteration_step(session, log), on_iteration)
+        from rlpipe.pipelined import RolloutPipeline
+
+        with RolloutPipeline(session, checkpoint, session.state.iteration + n, log) as pipe:
+            return _segment_loop(session, checkpoint, n, pipe.step, on_iteration)
     finally:
         session.close()
+
+
+def _segment_loop(
+    session: RLSession,
+    checkpoint: str | None,
+    n: int,
+    step: Callable[[], dict[str, float]],
+    on_iteration: Callable[[dict[str, float]], None] | None,
+) -> SegmentResult:
+    """`n` calls of `step` (one iteration each) with the segment's checkpoints."""
+    every = session.cfg.checkpoint.every
+    rows: list[dict[str, float]] = []
+    last, saved_at = checkpoint, session.state.iteration
+    for _ in range(n):
+        row = step()
+        rows.append(row)
+        if on_iteration is not None:
+            on_iteration(row)
+        if every and session.state.iteration % every == 0:
+            last, saved_at = session.save("segment", row), session.state.iteration
+    if last is None or saved_at != session.state.iteration:
+        last = session.save("segment", rows[-1] if rows else None)
+    return SegmentResult(checkpoint=last, metrics=rows)
 
 
 def _expect_iteration(session: RLSession, iteration: int) -> None:

@@ -68,6 +68,7 @@ class RLSession:
             ckpt.verify_checkpoint(checkpoint, expect_model_fingerprint=model_fingerprint(model_dir))
         self.controller = TrainingController(cfg, model_dir)
         self.engine_sync = None  # rollout.engine = vllm | sglang: the synced server engine
+        self.save_hooks: list = []  # save_hook(tmp_dir) -> dict merged into train_state.json's `extra`
         try:
             if checkpoint is not None:
                 self._resume(checkpoint)
@@ -163,12 +164,19 @@ class RLSession:
 
     def rollout(self) -> tuple[pd.DataFrame, dict[str, float]]:
         """Sample `n` responses for the next prompts, judge them, compute advantages."""
-        start = time.perf_counter()
         iteration = self.state.iteration + 1
         indices = self.sampler.next_batch()
+        batch, stats = self.sample_batch(indices, iteration, self._generate)
+        self.account_rollout(iteration, len(indices), stats)
+        return batch, stats
+
+    def sample_batch(self, indices: list[int], iteration: int, generate) -> tuple[pd.DataFrame, dict[str, float]]:
+        """The rollout batch of `iteration` for prompts `indices`; changes no session state (a producer thread of
+        `rlpipe.pipelined` calls it, with its own `generate(prompts, params) -> (generations, engine stats)`)."""
+        start = time.perf_counter()
         examples = [self.prompts[i] for i in indices]
         params = self.sampling_params(iteration)
-        gens, engine_stats = self._generate([ex.prompt_ids for ex in examples], params)
+        gens, engine_stats = generate([ex.prompt_ids for ex in examples], params)
         texts, rewards = score_generations(examples, gens, self._decode, get_judge(self.cfg.rollout.judge))
         batch, stats = build_rollout_batch(
             examples, gens, texts, rewards, params.n, self.cfg.algo.advantage,
@@ -178,11 +186,14 @@ class RLSession:
         gen_tokens = sum(len(g.response_ids) for g in gens)
         stats.update({"rollout_time_s": elapsed, "rollout_tokens_per_s": gen_tokens / elapsed if elapsed else 0.0})
         stats.update(engine_stats)
-        self.state.consumed_prompts += len(indices)
-        if self.cfg.rollout.engine != "hf":
-            record_served(self.state.served, iteration, self._engine_name(), int(engine_stats["engine/weight_version"]))
-        record_data(self.state.data, "prompts", iteration, str(self.prompts.path), self.prompts.content_hash)
         return batch, stats
+
+    def account_rollout(self, iteration: int, num_prompts: int, stats: dict[str, float]) -> None:
+        """Count a batch's prompts and record its lineage when it is trained (not when a producer samples it)."""
+        self.state.consumed_prompts += num_prompts
+        if self.cfg.rollout.engine != "hf":
+            record_served(self.state.served, iteration, self._engine_name(), int(stats["engine/weight_version"]))
+        record_data(self.state.data, "prompts", iteration, str(self.prompts.path), self.prompts.content_hash)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list, dict[str, float]]:
         """Generations and `engine/*` metrics: the version a server served and what syncing it cost."""
@@ -264,7 +275,10 @@ class RLSession:
         tmp = ckpt.begin_checkpoint(root, self.cfg.experiment, self.state.optimizer_step)
         try:
             worker_states = self.controller.save(str(tmp / "weights"))
-            ckpt.write_train_state(tmp, self._train_state(worker_states))
+            state = self._train_state(worker_states)
+            for hook in self.save_hooks:  # e.g. rlpipe.pipelined: the batches sampled ahead of the trainer
+                state.extra.update(hook(tmp))
+            ckpt.write_train_state(tmp, state)
             ckpt.write_config(tmp, self.cfg.model_dump(mode="json"))
             if self.cfg.checkpoint.save_hf:  # a servable model dir: weights and the tokenizer (vLLM/SGLang need both)
                 self.controller.save_hf(str(tmp / ckpt.HF_DIR))

@@ -138,6 +138,8 @@ def _lists(column: pd.Series) -> list:
 
 def write_batch(batch: pd.DataFrame, path: str | Path) -> None:
     """Parquet with the documented schema (plus logprob columns when present)."""
+    if len(batch) == 0:  # every group filtered out: pandas types the empty columns float64, arrow refuses lists
+        batch = batch.astype(object)
     schema = ROLLOUT_SCHEMA
     for col in LOGPROB_COLUMNS:
         if col in batch.columns:

@@ -4,15 +4,22 @@ The session calls `generate(prompts, params, version)` with the policy's version
 serves another version, the policy is published (`publish(version) -> dir`, a collective on the trainer) and loaded,
 then the probe is scored by both sides and compared. A managed server that died is restarted from the last
 published weights, re-verified, and the request retried once; an unmanaged one fails with its error.
+
+With `rollout.max_staleness >= 1` (`rlpipe.pipelined`) a producer thread samples while the driver trains. `lock` is
+held around every generate call and every sync, so weights never change in the middle of a batch. The producer calls
+`generate_served`, which never publishes: publishing is a collective on the training workers, and the driver's thread
+is the only one that calls them (two threads calling the same actors could order the collectives differently on
+different ranks and deadlock).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlpipe.errors import RolloutServerError
+from rlpipe.errors import RolloutServerError, WeightSyncError
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.weight_sync import ProbeSequence, check_probe, compare_probe
 
@@ -67,9 +74,14 @@ class EngineSync:
         self.restarts = 0
         self.stats = SyncStats()
         self._probe_cache: tuple[int, list[list[float]]] | None = None  # trainer logprobs of the probe per version
+        self.lock = threading.RLock()  # held by every generate and sync: no sync in the middle of a batch
 
     def ensure_current(self, version: int) -> None:
         """Publish and load `version` unless the engine already serves it (verified)."""
+        with self.lock:
+            self._ensure_current(version)
+
+    def _ensure_current(self, version: int) -> None:
         if self.engine.served_version == version:
             return
         start = time.perf_counter()
@@ -98,22 +110,51 @@ class EngineSync:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Generation]:
         """Sample from the engine serving `version`; a dead managed server is restarted (bounded) and retried."""
-        self.stats = SyncStats()
-        while True:
-            try:
-                self.ensure_current(version)
-                return self.engine.generate(prompts, params)
-            except RolloutServerError as exc:
-                if not self._should_restart(exc):
-                    raise
-                self.restarts += 1
-                self.stats.restarts += 1
-                self.log(f"{self.engine.name} failed ({exc}); restarting it ({self.restarts}/{self.max_restarts})")
-                self.engine.restart()
+        with self.lock:
+            self.stats = SyncStats()
+            while True:
+                try:
+                    self._ensure_current(version)
+                    return self.engine.generate(prompts, params)
+                except RolloutServerError as exc:
+                    self._restart_or_raise(exc)
+                    self.stats.restarts += 1
+
+    def generate_served(self, prompts: list[list[int]], params: SamplingParams, version: int) -> tuple[list, int]:
+        """Sample from the engine that the driver already synced to `version`; returns (generations, restarts).
+
+        For a thread other than the driver's: it never publishes. A managed server that died restarts from the
+        served directory (that version's) and is re-verified against the trainer probe cached by the driver's sync.
+        """
+        restarts = 0
+        with self.lock:
+            while True:
+                try:
+                    self._expect_served(version)
+                    return self.engine.generate(prompts, params), restarts
+                except RolloutServerError as exc:
+                    self._restart_or_raise(exc)
+                    restarts += 1
+
+    def _expect_served(self, version: int) -> None:
+        if self.engine.served_version == version:
+            return
+        if self._probe_cache is None or self._probe_cache[0] != version:
+            raise WeightSyncError(
+                f"{self.engine.name} serves version {self.engine.served_version}, the batch needs {version}, and the "
+                "driver has not synced it (a producer thread never publishes weights)"
+            )
+        self.verify(version)  # restarted from this version's directory: verify it before trusting it
+        self.engine.served_version = version
+
+    def _restart_or_raise(self, exc: RolloutServerError) -> None:
+        if not self._should_restart(exc):
+            raise exc
+        self.restarts += 1
+        self.log(f"{self.engine.name} failed ({exc}); restarting it ({self.restarts}/{self.max_restarts})")
+        self.engine.restart()
 
     def _should_restart(self, exc: RolloutServerError) -> bool:
-        from rlpipe.errors import WeightSyncError
-
         if isinstance(exc, WeightSyncError) or not getattr(self.engine, "restartable", False):
             return False
         if self._still_alive(grace_s=10.0):
