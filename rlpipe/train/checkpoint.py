@@ -19,6 +19,12 @@ Two ways to use it:
 
 Weights of world size > 1 are written by each rank into the same directory, so ``root`` must be a filesystem all
 ranks share (single node, or NFS/Lustre); Flyte uploads the finished directory afterwards.
+
+Another world size: DCP records every tensor with its global shape, so a checkpoint written by N ranks (FSDP2
+DTensor shards, or replicated plain tensors deduplicated to one copy) loads on M ranks in either layout, optimizer
+state included. The per-rank train state does not reshard: ``worker_states_for`` carries the counters over (all
+ranks hold the same) and re-seeds the RNG (``resume_seed``); bitwise continuation needs the same world size.
+docs/ARCHITECTURE.md ("Checkpoints and resume") has the table of what is restored in each case.
 """
 
 from __future__ import annotations
