@@ -253,6 +253,14 @@ class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0, description="Also checkpoint every N iterations inside a segment (0 = segment end).")
     save_optimizer: bool = Field(True, description="Store optimizer state (needed for exact resume).")
     save_hf: bool = Field(False, description="Also export safetensors in HF format (for vLLM/SGLang serving).")
+    init_from: str | None = Field(
+        None,
+        description="Start a new stage from this checkpoint's weights only (a local checkpoint dir of the same model "
+        "shape, any world size): fresh AdamW, LR schedule, counters, samplers and RNG; the stage's first checkpoint "
+        "records it as parent with parent_weights_only=true. Used only when the run starts without a checkpoint of its "
+        "own (a resume of this experiment wins); give the stage its own `experiment`. The KL reference stays "
+        "train.ref_load_from or the base model. See docs/ARCHITECTURE.md, Checkpoints and resume.",
+    )
 
 
 class PipelineConfig(_Strict):

@@ -30,7 +30,14 @@ from rlpipe.rollout.engine import SamplingParams
 from rlpipe.rollout.judges import get_judge
 from rlpipe.train import checkpoint as ckpt
 from rlpipe.train.controller import TrainingController
-from rlpipe.train.lineage import BaseModelRef, DataRef, ServedRef, build_manifest, model_fingerprint
+from rlpipe.train.lineage import (
+    BaseModelRef,
+    DataRef,
+    ServedRef,
+    build_manifest,
+    model_architecture,
+    model_fingerprint,
+)
 
 
 @dataclass
@@ -63,15 +70,20 @@ class RLSession:
         )
         self.state = LoopState()
         self.parent: str | None = None
+        self.parent_weights_only = False  # the next checkpoint's parent gave only its weights (checkpoint.init_from)
         _check_vocab(self.tokenizer, model_dir)
-        if checkpoint is not None:  # fail before any worker starts
-            ckpt.verify_checkpoint(checkpoint, expect_model_fingerprint=model_fingerprint(model_dir))
+        init_from = cfg.checkpoint.init_from if checkpoint is None else None  # a resume of this run wins
+        for source in (checkpoint, init_from):  # fail before any worker starts
+            if source is not None:
+                self._verify(source)
         self.controller = TrainingController(cfg, model_dir)
         self.engine_sync = None  # rollout.engine = vllm | sglang: the synced server engine
         self.save_hooks: list = []  # save_hook(tmp_dir) -> dict merged into train_state.json's `extra`
         try:
             if checkpoint is not None:
                 self._resume(checkpoint)
+            elif init_from is not None:
+                self._init_weights_from(init_from)
             if cfg.rollout.engine in ("vllm", "sglang"):
                 from rlpipe.serving import build_engine_sync
 
@@ -287,8 +299,13 @@ class RLSession:
                 experiment=self.cfg.experiment,
                 step=self.state.optimizer_step,
                 iteration=self.state.iteration,
-                base_model=BaseModelRef(path=_absolute(self.model_dir), fingerprint=model_fingerprint(self.model_dir)),
+                base_model=BaseModelRef(
+                    path=_absolute(self.model_dir),
+                    fingerprint=model_fingerprint(self.model_dir),
+                    architecture=model_architecture(self.model_dir),
+                ),
                 parent=self.parent,
+                parent_weights_only=self.parent_weights_only,
                 data=[DataRef(**d) for d in self.state.data],
                 served=[ServedRef(**d) for d in self.state.served],
                 config=self.cfg.model_dump(mode="json"),
@@ -300,6 +317,7 @@ class RLSession:
             ckpt.abort_checkpoint(tmp)
             raise
         self.parent = _absolute(final)  # a relative root must still resolve when read from elsewhere
+        self.parent_weights_only = False
         self.state.data = []
         self.state.served = []
         return str(final)
@@ -318,10 +336,23 @@ class RLSession:
             extra={"sft_steps": self.state.sft_steps},
         )
 
+    def _verify(self, checkpoint: str) -> None:
+        """Checksums, and the same model shape: a mismatch names the config fields that differ."""
+        ckpt.verify_checkpoint(
+            checkpoint,
+            expect_model_fingerprint=model_fingerprint(self.model_dir),
+            expect_model_name=self.model_dir,
+            expect_architecture=model_architecture(self.model_dir),
+        )
+
     def _resume(self, checkpoint: str) -> None:
+        """Continue the checkpoint's run, on this run's world size (which may differ from the checkpoint's)."""
         path = Path(checkpoint)
-        ckpt.verify_checkpoint(path, expect_model_fingerprint=model_fingerprint(self.model_dir))
         state = ckpt.load_train_state(path)
+        if len(state.worker_states) != self.controller.world_size:
+            self.log(f"resuming {path} (written by {len(state.worker_states)} workers) on "
+                     f"{self.controller.world_size}: weights, optimizer, counters and samplers continue; the workers' "
+                     "RNG is re-seeded (bitwise continuation needs the same world size)")  # fmt: skip
         self.controller.load(str(path / ckpt.WEIGHTS_DIR), state.worker_states)
         self.state = LoopState(
             iteration=state.iteration,
@@ -337,6 +368,12 @@ class RLSession:
             self.sft_sampler.load_state_dict(state.sft_loader_state)
         ckpt.restore_rng_state(state.rng_states[0])
         self.parent = _absolute(path)
+
+    def _init_weights_from(self, checkpoint: str) -> None:
+        """A new stage (`checkpoint.init_from`): the checkpoint's weights, with a fresh optimizer, LR schedule,
+        counters, samplers and RNG; its first checkpoint names this one as a weights-only parent."""
+        self.controller.load(str(Path(checkpoint) / ckpt.WEIGHTS_DIR), None)
+        self.parent, self.parent_weights_only = _absolute(checkpoint), True
 
     def close(self) -> None:
         try:

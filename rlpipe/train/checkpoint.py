@@ -19,6 +19,12 @@ Two ways to use it:
 
 Weights of world size > 1 are written by each rank into the same directory, so ``root`` must be a filesystem all
 ranks share (single node, or NFS/Lustre); Flyte uploads the finished directory afterwards.
+
+Another world size: DCP records every tensor with its global shape, so a checkpoint written by N ranks (FSDP2
+DTensor shards, or replicated plain tensors deduplicated to one copy) loads on M ranks in either layout, optimizer
+state included. The per-rank train state does not reshard: ``worker_states_for`` carries the counters over (all
+ranks hold the same) and re-seeds the RNG (``resume_seed``); bitwise continuation needs the same world size.
+docs/ARCHITECTURE.md ("Checkpoints and resume") has the table of what is restored in each case.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from rlpipe.io import (
     sha256_file,
     sha256_files,
 )
-from rlpipe.train.lineage import MANIFEST_NAME, Manifest, read_manifest
+from rlpipe.train.lineage import MANIFEST_NAME, Manifest, architecture_diff, read_manifest
 
 WEIGHTS_DIR = "weights"
 TRAIN_STATE_NAME = "train_state.json"
@@ -275,6 +281,7 @@ def verify_checkpoint(
     expect_model_fingerprint: str | None = None,
     *,
     expect_model_name: str | None = None,
+    expect_architecture: dict[str, Any] | None = None,
     required: tuple[str, ...] = REQUIRED_FILES,
 ) -> Manifest:
     """Check a checkpoint before use and return its manifest; any problem is a CheckpointError naming it.
@@ -282,6 +289,8 @@ def verify_checkpoint(
     Checks: manifest present, valid and ``complete``; step matches a ``step-NNNNNN`` dir name; the ``required`` files
     are listed; every listed file exists with its sha256; no unlisted file under ``weights/``; and, if given,
     ``expect_model_fingerprint`` equals the manifest's base model fingerprint (``lineage.model_fingerprint``).
+    ``expect_architecture`` (``lineage.model_architecture`` of this run's model) lets that error name the fields
+    that differ.
     """
     ckpt = local_path(path)
     if not ckpt.is_dir():
@@ -313,10 +322,11 @@ def verify_checkpoint(
         have = manifest.base_model.fingerprint
         if have != expect_model_fingerprint:
             mine = f"{expect_model_name} " if expect_model_name else ""
+            diff = architecture_diff(manifest.base_model.architecture, expect_architecture)
             raise CheckpointError(
-                f"checkpoint {ckpt} was written for model {manifest.base_model.path} "
+                f"checkpoint {ckpt} ({MANIFEST_NAME}) was written for model {manifest.base_model.path} "
                 f"(fingerprint {have[:12] if have else 'none'}), this run uses {mine}"
-                f"(fingerprint {expect_model_fingerprint[:12]})"
+                f"(fingerprint {expect_model_fingerprint[:12]})" + (f": {diff}" if diff else "")
             )
     return manifest
 
@@ -462,6 +472,44 @@ def restore_rank_rng(state: TrainState, rank: int | None = None) -> bool:
     return True
 
 
+WORKER_COUNTERS = ("optimizer_step", "skipped_steps")
+"""Per-rank worker state that every rank holds identically (one optimizer, stepped in lockstep)."""
+
+
+def worker_states_for(saved: list[dict[str, Any]], world_size: int, where: str = "checkpoint") -> list[dict[str, Any]]:
+    """The state each of ``world_size`` ranks resumes with, from the per-rank ``worker_states`` a checkpoint saved.
+
+    Same world size: each rank gets its own saved state back, RNG included (bitwise continuation). Another world
+    size: every rank gets the counters (checked equal over the saved ranks) and ``"rng": None``, which tells the
+    worker to re-seed with ``resume_seed`` instead of taking over another rank's stream; rank r of 2 is not rank r
+    of 1, so no mapping of RNG streams between world sizes would make the run bitwise equal anyway.
+    """
+    if not saved:
+        raise CheckpointError(f"{where}: train_state.json has no worker_states (not written by a training run?)")
+    for rank, state in enumerate(saved):
+        missing = [k for k in (*WORKER_COUNTERS, "rng") if k not in state]
+        if missing:
+            raise CheckpointError(f"{where}: worker_states[{rank}] lacks {', '.join(missing)}")
+    if len(saved) == world_size:
+        return saved
+    counters = {k: saved[0][k] for k in WORKER_COUNTERS}
+    for rank, state in enumerate(saved[1:], start=1):
+        for k in WORKER_COUNTERS:
+            if state[k] != counters[k]:
+                raise CheckpointError(
+                    f"{where}: worker_states disagree on {k} (rank 0: {counters[k]}, rank {rank}: {state[k]}); "
+                    "cannot resume on another world size"
+                )
+    return [{**counters, "rng": None} for _ in range(world_size)]
+
+
+def resume_seed(seed: int, rank: int, optimizer_step: int) -> int:
+    """Seed of rank ``rank``'s RNGs after a resume on another world size: a function of where the run is, so a
+    resumed run is reproducible and does not replay the stream it started with (``seed + rank``, from setup)."""
+    words = np.random.SeedSequence([seed % 2**63, rank, optimizer_step]).generate_state(2, dtype=np.uint32)
+    return int(words[0]) | int(words[1]) << 32
+
+
 # ----------------------------------------------------------------------------------------------------- DCP weights
 
 
@@ -498,10 +546,50 @@ def save_dcp(
         dcp.save(state, checkpoint_id=str(out), no_dist=not dist.is_initialized())
 
 
+def check_dcp_matches(
+    model_state: dict[str, torch.Tensor], weights_dir: str | os.PathLike[str], with_optimizer: bool = False
+) -> None:
+    """Raise a CheckpointError naming the file and the tensor when the DCP checkpoint does not fit ``model_state``.
+
+    Compares global shapes from ``weights/.metadata`` with ``model_state`` (a DTensor's ``shape`` is global, so the
+    check is the same for sharded and replicated policies and any world size). Without it a mismatch surfaces as
+    DCP's per-rank traceback deep inside ``dcp.load``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    src = local_path(weights_dir)
+    meta_file = src / ".metadata"
+    try:
+        saved = FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file: say which
+        raise CheckpointError(f"cannot read DCP metadata {meta_file}: {e}") from e
+    for name, tensor in model_state.items():
+        entry = saved.get(f"model.{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{meta_file}: the checkpoint has no weight {name!r} that this model has (a different architecture?)"
+            )
+        if tuple(entry.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{meta_file}: weight {name!r} has shape {list(entry.size)} in the checkpoint but "
+                f"{list(tensor.shape)} in this model (a different model shape)"
+            )
+    if with_optimizer and not any(k.startswith("optim.state.") for k in saved):
+        raise CheckpointError(
+            f"{meta_file}: the checkpoint holds no optimizer state (written with checkpoint.save_optimizer=false); "
+            "resume with checkpoint.save_optimizer=false, or start a new stage from its weights (checkpoint.init_from)"
+        )
+
+
 def load_dcp(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, weights_dir: str | os.PathLike[str]
 ) -> None:
-    """Collective: load DCP weights (and optimizer state unless ``optimizer`` is None) into ``model`` in place."""
+    """Collective: load DCP weights (and optimizer state unless ``optimizer`` is None) into ``model`` in place.
+
+    The checkpoint may come from another world size and another layout (sharded DTensors <-> replicated tensors):
+    DCP stores every tensor with its global shape and reads each rank's part back (see the module docstring).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -519,6 +607,7 @@ def load_dcp(
     else:
         msd, osd = get_state_dict(model, optimizer, options=opts)
         state = {"model": msd, "optim": osd}
+    check_dcp_matches(state["model"], src, with_optimizer=optimizer is not None)
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(src), no_dist=not dist.is_initialized())

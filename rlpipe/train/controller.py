@@ -163,14 +163,17 @@ class TrainingController:
     def save(self, weights_dir: str) -> list[dict]:
         return self._all("save", weights_dir)
 
-    def load(self, weights_dir: str, worker_states: list[dict]) -> None:
-        if len(worker_states) != self.world_size:
-            from rlpipe.errors import CheckpointError
+    def load(self, weights_dir: str, worker_states: list[dict] | None) -> None:
+        """Load a checkpoint written by any number of workers. With its `worker_states`: weights, optimizer, counters
+        and RNG (a resume; `worker_states_for` maps them onto this world size); None: the weights only (a new stage,
+        `checkpoint.init_from`)."""
+        if worker_states is None:
+            self._all("load", weights_dir, None)
+            return
+        from rlpipe.train.checkpoint import worker_states_for
 
-            raise CheckpointError(
-                f"checkpoint was written by {len(worker_states)} workers, this run has world_size={self.world_size}"
-            )
-        self._per_rank("load", [(weights_dir, s) for s in worker_states])
+        states = worker_states_for(worker_states, self.world_size, where=os.path.dirname(weights_dir.rstrip("/")))
+        self._per_rank("load", [(weights_dir, s) for s in states])
 
     def save_hf(self, out_dir: str) -> None:
         self._all("save_hf", out_dir)

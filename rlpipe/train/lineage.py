@@ -52,6 +52,11 @@ class BaseModelRef(BaseModel):
     fingerprint: str | None = Field(
         default=None, description="model_fingerprint() of its config: guards against resuming onto another model."
     )
+    architecture: dict[str, Any] | None = Field(
+        default=None,
+        description="model_architecture() of its config (the values the fingerprint hashes), so a mismatch on resume "
+        "names the differing field; null in checkpoints written before it was recorded.",
+    )
 
 
 class DataRef(BaseModel):
@@ -99,6 +104,11 @@ class Manifest(BaseModel):
     parent: str | None = Field(
         default=None, description="Parent checkpoint: absolute path, URI, or path relative to this checkpoint dir."
     )
+    parent_weights_only: bool = Field(
+        default=False,
+        description="True when only the parent's weights were taken (checkpoint.init_from: a new stage with a fresh "
+        "optimizer, counters and samplers); False when this checkpoint continues the parent's run.",
+    )
     base_model: BaseModelRef = Field(description="Base model the chain started from.")
     data: list[DataRef] = Field(default_factory=list, description="Data consumed since the parent checkpoint.")
     served: list[ServedRef] = Field(
@@ -114,11 +124,11 @@ class Manifest(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict, description="Summary metrics of the step (optional).")
 
 
-def model_fingerprint(config: Any) -> str:
-    """sha256 of the architecture-defining keys of a model config (``FINGERPRINT_KEYS``).
+def model_architecture(config: Any) -> dict[str, Any]:
+    """The architecture-defining keys of a model config (``FINGERPRINT_KEYS``; a missing key is None).
 
     Accepts a dict, an object with ``to_dict()`` (transformers PretrainedConfig) or a model directory / config.json
-    path. Missing keys hash as null so two configs differ only if a shape-relevant key differs.
+    path.
     """
     if isinstance(config, str | os.PathLike):
         p = Path(config)
@@ -128,7 +138,24 @@ def model_fingerprint(config: Any) -> str:
         config = config.to_dict()
     if not isinstance(config, dict):
         raise CheckpointError(f"model config must be a dict, got {type(config).__name__}")
-    return stable_hash({k: config.get(k) for k in FINGERPRINT_KEYS})
+    return {k: config.get(k) for k in FINGERPRINT_KEYS}
+
+
+def model_fingerprint(config: Any) -> str:
+    """sha256 of ``model_architecture(config)``: two configs differ only if a shape-relevant key differs."""
+    return stable_hash(model_architecture(config))
+
+
+def architecture_diff(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str:
+    """``"hidden_size: 64 in the checkpoint, 32 here; ..."`` for the keys that differ ("" if unknown or none)."""
+    if not saved or not current:
+        return ""
+    diffs = [
+        f"{k}: {json.dumps(saved.get(k))} in the checkpoint, {json.dumps(current.get(k))} here"
+        for k in FINGERPRINT_KEYS
+        if saved.get(k) != current.get(k)
+    ]
+    return "; ".join(diffs)
 
 
 @functools.lru_cache(maxsize=1)
@@ -168,6 +195,7 @@ def build_manifest(
     config: Any = None,
     metrics: dict[str, float] | None = None,
     phase: str | None = None,
+    parent_weights_only: bool = False,
 ) -> Manifest:
     """A not-yet-complete Manifest with config_hash, code_version and created_at filled in.
 
@@ -180,6 +208,7 @@ def build_manifest(
         iteration=iteration,
         phase=phase,
         parent=None if parent is None else os.fspath(parent),
+        parent_weights_only=parent_weights_only,
         base_model=base_model,
         data=list(data or []),
         served=list(served or []),
@@ -335,7 +364,8 @@ def format_lineage(chain: LineageChain, fmt: Literal["text", "json"] = "text") -
             + (f", phase {m.phase}" if m.phase else "")
             + (")" if m.complete else ", INCOMPLETE)"),
             f"  path:     {e.location}",
-            f"  parent:   {m.parent or '-'}",
+            f"  parent:   {m.parent or '-'}"
+            + (" (weights only: checkpoint.init_from)" if m.parent_weights_only else ""),
             f"  base:     {m.base_model.path} (fingerprint {_short(m.base_model.fingerprint)})",
             f"  data:     {data}",
             f"  config:   {_short(m.config_hash)}",

@@ -321,13 +321,22 @@ class TrainingWorker:
         return {"optimizer_step": self.optimizer_step, "skipped_steps": self.skipped_steps,
                 "rng": ckpt.capture_rng_state()}  # fmt: skip
 
-    def load(self, weights_dir: str, state: dict) -> None:
-        """Collective DCP load; restores the step counters and this rank's RNG state."""
+    def load(self, weights_dir: str, state: dict | None) -> None:
+        """Collective DCP load (from any world size). `state` (see `ckpt.worker_states_for`) restores the counters
+        and this rank's RNG, or re-seeds it when `rng` is None (the world size changed); `state=None` loads the
+        weights only (`checkpoint.init_from`: the optimizer and counters stay fresh)."""
+        self._rollout_stale = True
+        if state is None:
+            ckpt.load_dcp(self.policy, None, Path(weights_dir))
+            return
         ckpt.load_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir))
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state["skipped_steps"])
-        ckpt.restore_rng_state(state["rng"])
-        self._rollout_stale = True
+        if state["rng"] is None:
+            seed = ckpt.resume_seed(self.cfg.train.seed, self.rank, self.optimizer_step)
+            _seed_everything(seed, self.cfg.train.deterministic)
+        else:
+            ckpt.restore_rng_state(state["rng"])
 
     def save_hf(self, out_dir: str) -> None:
         """Safetensors export loadable by AutoModelForCausalLM (rank 0 writes; all ranks gather)."""

@@ -19,7 +19,14 @@ import torch
 
 from rlpipe.errors import CheckpointError
 from rlpipe.train import checkpoint as ck
-from rlpipe.train.lineage import BaseModelRef, Manifest, build_manifest, model_fingerprint, read_manifest
+from rlpipe.train.lineage import (
+    BaseModelRef,
+    Manifest,
+    build_manifest,
+    model_architecture,
+    model_fingerprint,
+    read_manifest,
+)
 
 EXP = "exp"
 MODEL_CFG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 64, "hidden_size": 16}
@@ -292,6 +299,27 @@ def test_wrong_model_fingerprint(tmp_path):
     unknown = make_ckpt(tmp_path, 2, fingerprint=None)
     with pytest.raises(CheckpointError, match="fingerprint none"):
         ck.verify_checkpoint(unknown, FP)
+
+
+def test_wrong_model_shape_names_the_manifest_and_the_differing_fields(tmp_path):
+    """With the architecture recorded in the manifest, the error says which config field differs, and how."""
+    tmp = ck.begin_checkpoint(tmp_path, EXP, 3)
+    (tmp / "weights").mkdir()
+    (tmp / "weights" / ".metadata").write_bytes(b"meta")
+    ck.write_train_state(tmp, ck.TrainState(step=3, iteration=3))
+    manifest = manifest_for(3).model_copy(
+        update={
+            "base_model": BaseModelRef(path="/models/tiny", fingerprint=FP, architecture=model_architecture(MODEL_CFG))
+        }
+    )
+    final = ck.finalize_checkpoint(tmp, manifest)
+    bigger = {**MODEL_CFG, "hidden_size": 32, "num_hidden_layers": 4}
+    with pytest.raises(CheckpointError) as ei:
+        ck.verify_checkpoint(final, model_fingerprint(bigger), expect_architecture=model_architecture(bigger))
+    msg = str(ei.value)
+    assert f"checkpoint {final} (manifest.json)" in msg
+    assert msg.endswith("hidden_size: 16 in the checkpoint, 32 here; num_hidden_layers: null in the checkpoint, 4 here")
+    assert ck.verify_checkpoint(final, FP, expect_architecture=model_architecture(MODEL_CFG)).step == 3
 
 
 # ------------------------------------------------------------------------------------------------ train state
