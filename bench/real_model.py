@@ -1,6 +1,6 @@
 """Learning proof on a pretrained model: GRPO on SmolLM2-135M-Instruct, held-out greedy accuracy before and after.
 
-Command (from the repo root; the defaults are the recorded run, ~30 min on 2 otherwise idle cores):
+Command (from the repo root; the defaults are the recorded run, at most ``--budget-min`` 20 minutes):
 
     RAY_AUTH_MODE=disabled .venv/bin/python bench/real_model.py
 
@@ -12,6 +12,10 @@ the model's chat template (SmolLM2's adds its default system prompt); the prompt
 last line and the strict ``gsm8k`` judge scores 1 iff the number after the last ``####`` equals the answer (no
 format reward). The held-out split is disjoint from the train split by construction (no template+numbers key is
 shared).
+
+Why T=0.7 and n=8: at T=1 with n=4 (a first attempt, stopped after 7 iterations) the base model's sampled
+rewards were 0 in 6 of 7 iterations (greedy held-out accuracy 0.047), so almost every group had no signal; a
+cooler sampler and larger groups put more groups above zero at the same 32 sequences per iteration.
 
 Everything goes through rlpipe's own code paths in one session (one Ray start, one model load): ``RLSession``
 (what ``rlpipe run`` opens), ``RLSession.evaluate`` (greedy, ``rollout.eval_temperature=0``) for the accuracy before
@@ -55,11 +59,11 @@ class Settings:
 
     engine: str = "hf"
     iterations: int = 40
-    budget_min: float = 30.0
-    prompts_per_step: int = 8
-    n: int = 4
+    budget_min: float = 20.0
+    prompts_per_step: int = 4
+    n: int = 8
     max_new_tokens: int = 48
-    temperature: float = 1.0
+    temperature: float = 0.7
     lr: float = 1e-5
     warmup_steps: int = 1
     eval_prompts: int = 64
@@ -162,7 +166,8 @@ def plot(res: dict, path: Path) -> None:
     rows = res["rows"]
     it = [int(r["iteration"]) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(it, [r["reward_mean"] for r in rows], marker=".", alpha=0.6, label="sampled reward (T=1), train prompts")
+    label = f"sampled reward (T={res['settings']['temperature']:g}), train prompts"
+    ax.plot(it, [r["reward_mean"] for r in rows], marker=".", alpha=0.6, label=label)
     ax.plot(it, [r["pass_at_n"] for r in rows], alpha=0.35, label="pass@n, train prompts")
     evals = [(int(r["iteration"]), r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     points = [(0, res["before"]), *evals, (len(rows), res["after"])]
