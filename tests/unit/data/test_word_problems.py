@@ -114,6 +114,7 @@ def test_demonstration_is_worked_steps_ending_in_the_answer_and_scores_1() -> No
 
 def test_not_a_tiny_task_and_bad_split() -> None:
     assert "word_problems" not in tiny_task_names()
+    assert make_task_rows("sum", 30, 1, "eval") == make_task_rows("sum", 30, 1)  # tiny tasks split by seed only
     assert all(r["data_source"] != "rlpipe/word_problems" for r in make_task_rows("mix", 300, 0))
     with pytest.raises(ConfigError, match="split"):
         make_task_rows("word_problems", 2, 0, split="test")  # type: ignore[arg-type]
