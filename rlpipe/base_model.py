@@ -19,7 +19,7 @@ from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import pack_sequences
 from rlpipe.data.sampler import PromptSampler
 from rlpipe.data.sft import load_sft_dataset, sft_sequence_items
-from rlpipe.data.tasks import write_task_dataset
+from rlpipe.data.tasks import tiny_task_names, write_task_dataset
 from rlpipe.errors import ConfigError
 from rlpipe.io import stable_hash
 from rlpipe.models.loading import load_model, load_tokenizer
@@ -36,6 +36,11 @@ def prepare_base_model(cfg: PipelineConfig, log=print) -> str:
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path {path} is not a HF model directory (no config.json)")
         return str(path)
+    if cfg.data.task is not None and cfg.data.task not in tiny_task_names():
+        raise ConfigError(
+            f"data.task={cfg.data.task!r} is not sized for the tiny default model (its charset and lengths); "
+            f"set model.path to a pretrained model, or use one of {tiny_task_names()}"
+        )
     key = stable_hash(
         {
             "tiny": cfg.model.tiny.model_dump(),

@@ -93,11 +93,13 @@ class RLSession:
             raise
 
     # ------------------------------------------------------------------ data
-    def _data_file(self, name: str, kind: str, n: int, seed: int) -> Path:
-        """Built-in task rows are written to parquet once, then read back through the user-data path."""
-        path = Path(self.cfg.output_dir) / "data" / f"{name}-{kind}-n{n}-seed{seed}.parquet"
+    def _data_file(self, name: str, kind: str, n: int, seed: int, split: str = "train") -> Path:
+        """Built-in task rows are written to parquet once, then read back through the user-data path. ``split``
+        "eval" draws held-out problems (disjoint from every train problem for tasks that support it)."""
+        suffix = "" if split == "train" else f"-{split}"
+        path = Path(self.cfg.output_dir) / "data" / f"{name}-{kind}-n{n}-seed{seed}{suffix}.parquet"
         if not path.exists():
-            write_task_dataset(name, n, seed, path, kind=kind)
+            write_task_dataset(name, n, seed, path, kind=kind, split=split)
         return path
 
     def _load_prompts(self) -> PromptDataset:
@@ -113,8 +115,18 @@ class RLSession:
 
     def _load_eval_prompts(self) -> PromptDataset:
         d = self.cfg.data
-        path = Path(d.eval_path) if d.eval_path else self._data_file(d.task, "rl", d.num_eval_prompts, d.seed + 104729)
-        return load_prompt_dataset(path, self.tokenizer, d.max_prompt_length, prompt_key=d.prompt_key)
+        path = (
+            Path(d.eval_path)
+            if d.eval_path
+            else self._data_file(d.task, "rl", d.num_eval_prompts, d.seed + 104729, split="eval")
+        )
+        return load_prompt_dataset(
+            path,
+            self.tokenizer,
+            d.max_prompt_length,
+            prompt_key=d.prompt_key,
+            apply_chat_template=d.apply_chat_template,
+        )
 
     def _load_sft(self) -> SFTDataset:
         s = self.cfg.sft

@@ -25,15 +25,22 @@ def exact_match(data_source: str, solution_str: str, ground_truth: str, extra_in
     return float(solution_str.strip() == str(ground_truth).strip())
 
 
+# Built-in tasks answered in the GSM8K format (`#### <number>`) rather than as an exact string.
+GSM8K_FORMAT_SOURCES = frozenset({"rlpipe/word_problems"})
+
+
 def builtin(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
-    """Judge of the built-in synthetic tasks (``rlpipe/<task>``): their answers are exact strings."""
+    """Judge of the built-in synthetic tasks (``rlpipe/<task>``): the tiny tasks' answers are exact strings,
+    ``rlpipe/word_problems`` is scored by the strict ``gsm8k`` judge (the number after the last ``####``)."""
+    if data_source in GSM8K_FORMAT_SOURCES:
+        return gsm8k(data_source, solution_str, ground_truth, extra_info)
     return exact_match(data_source, solution_str, ground_truth, extra_info)
 
 
 # ---------------------------------------------------------------------------------------------- numbers
 
 _NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+")
-_GSM8K_STRICT = re.compile(r"####\s*\$?\s*(-?[0-9.,]+)")
+_GSM8K_MARKER = "####"
 
 
 def _to_number(text: str) -> float | None:
@@ -60,13 +67,19 @@ def _numbers_equal(a: str | None, b: str | None) -> bool:
 def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
     """The final answer of a GSM8K-style solution.
 
-    strict: the number after the last ``#### `` marker (the GSM8K reference format).
+    strict: the first whitespace-separated token after the last ``####`` marker (the GSM8K reference format),
+    if it is a plain number (``1,234``, ``$18``, ``7.`` and ``-5`` are; ``12abc``, ``**7**`` and nothing are not:
+    a malformed final answer scores 0 even when an earlier marker was well formed).
     flexible: the last number anywhere in the text (for models that do not emit the marker).
     Same two modes as verl's ``gsm8k.extract_solution``.
     """
     if method == "strict":
-        found = _GSM8K_STRICT.findall(solution_str)
-        return found[-1] if found else None
+        if _GSM8K_MARKER not in solution_str:
+            return None
+        tail = solution_str.rsplit(_GSM8K_MARKER, 1)[1].split()
+        if tail and tail[0] == "$" and len(tail) > 1:  # "#### $ 18"
+            tail = tail[1:]
+        return tail[0] if tail and _to_number(tail[0]) is not None else None
     if method == "flexible":
         found = [m for m in _NUMBER.findall(solution_str) if _to_number(m) is not None]
         return found[-1] if found else None
@@ -167,7 +180,7 @@ _MATH_SOURCES = ("math", "aime", "amc", "deepscaler", "numina", "olympiad", "min
 def judge_name_for(data_source: str) -> str:
     """Which judge ``auto`` uses for a data_source (verl-style names)."""
     ds = data_source.lower()
-    if ds == "openai/gsm8k" or ds.endswith("gsm8k"):
+    if ds == "openai/gsm8k" or ds.endswith("gsm8k") or ds in GSM8K_FORMAT_SOURCES:
         return "gsm8k"
     if ds.startswith("rlpipe/"):
         return "builtin"

@@ -76,6 +76,35 @@ def test_gsm8k_flexible(sol, want):
     assert JUDGES["gsm8k"]("openai/gsm8k", sol, "7", {"method": "flexible"}) == want
 
 
+@pytest.mark.parametrize(
+    "sol,want",
+    [
+        ("3 + 4 = 7\n#### 7", 1.0),
+        ("#### 7.", 1.0),  # trailing period
+        ("####7", 1.0),
+        ("#### \t 7 \n", 1.0),  # whitespace
+        ("#### 7 apples", 1.0),
+        ("#### $7", 1.0),
+        ("#### 1,007", 0.0),  # commas are read as thousands separators: 1007, not 7
+        ("#### 8\n#### 7", 1.0),  # the last marker counts
+        ("#### 7\n#### 8", 0.0),
+        ("#### 7\n#### 7abc", 0.0),  # malformed last answer: 0 although an earlier one was right
+        ("#### seven", 0.0),
+        ("#### 7.7.7", 0.0),
+        ("#### **7**", 0.0),
+        ("####", 0.0),
+        ("The answer is 7", 0.0),  # no marker
+        ("", 0.0),
+    ],
+)
+def test_word_problems_judge(sol, want):
+    """rlpipe/word_problems (ground truth 7) is scored by the strict GSM8K judge, through auto and builtin."""
+    assert judge_name_for("rlpipe/word_problems") == "gsm8k"
+    assert JUDGES["auto"]("rlpipe/word_problems", sol, "7", {"index": 0}) == want
+    assert JUDGES["builtin"]("rlpipe/word_problems", sol, "7", {"index": 0}) == want
+    assert JUDGES["gsm8k"]("rlpipe/word_problems", sol, "1007", None) == float(sol == "#### 1,007")
+
+
 def test_gsm8k_extract_modes():
     assert extract_gsm8k_answer("a 1 b 2,500 #### 3", "strict") == "3"
     assert extract_gsm8k_answer("a 1 b 2,500", "flexible") == "2,500"
