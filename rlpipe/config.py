@@ -251,7 +251,7 @@ class TrainConfig(_Strict):
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = Field(
         "auto",
         description="AdamW kernel: fused (one kernel over all parameters), foreach (multi-tensor ops), for_loop "
-        "(one parameter at a time). auto: fused on CUDA, foreach elsewhere. All give the same update up to "
+        "(one parameter at a time). auto: fused where torch has it (CUDA, CPU), else foreach. Same update up to "
         "float rounding.",
     )
     compile: bool = Field(

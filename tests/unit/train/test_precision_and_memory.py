@@ -160,9 +160,10 @@ def test_bf16_mixed_precision_tracks_fp32_and_keeps_fp32_masters(tmp_path, model
 # ------------------------------------------------------------------------------------------- AdamW kernels
 
 
-def test_optimizer_impl_auto_picks_fused_on_cuda_and_foreach_elsewhere():
+def test_optimizer_impl_auto_picks_fused_where_torch_has_it_and_foreach_elsewhere():
     assert resolve_optimizer_impl("auto", "cuda") == "fused"
-    assert resolve_optimizer_impl("auto", "cpu") == "foreach"
+    assert resolve_optimizer_impl("auto", "cpu") == "fused"
+    assert resolve_optimizer_impl("auto", "meta") == "foreach"
     assert resolve_optimizer_impl("for_loop", "cuda") == "for_loop"
     assert resolve_optimizer_impl("fused", "cpu") == "fused"
     with pytest.raises(ValueError, match="optimizer_impl=fused"):
