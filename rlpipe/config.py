@@ -244,6 +244,29 @@ class TrainConfig(_Strict):
         "micro-batch less). auto: false when the whole policy is under 1 GiB (a few MB of extra memory; the tiny "
         "default's fit step 65 -> 50 ms on gloo), true above.",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward instead of keeping them (non-reentrant "
+        "torch checkpoint per layer, applied before FSDP2 sharding; same gradients). Saves activation memory for "
+        "about one extra forward of compute (bench/memory_features.py).",
+    )
+    mixed_precision: Literal["off", "bf16"] = Field(
+        "off",
+        description="bf16: compute in bfloat16, keep fp32 master weights, gradients and AdamW states (model.dtype "
+        "must stay float32). Sharded policies use FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); "
+        "replicated ones torch.autocast(bf16). Logprobs, their LM-head matmul and the loss stay fp32.",
+    )
+    optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto",
+        description="AdamW kernel: fused (one kernel over all parameters), foreach (multi-tensor ops), for_loop "
+        "(one parameter at a time). auto: fused where torch has it (CUDA, CPU), else foreach. Same update up to "
+        "float rounding.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer's forward (inductor; on CPU it needs a C++ compiler). The "
+        "first steps pay the compile time; meant for GPUs.",
+    )
 
 
 class CheckpointConfig(_Strict):
@@ -287,6 +310,12 @@ class PipelineConfig(_Strict):
             )
         if self.train.sp_size != 1:
             raise ValueError("train.sp_size > 1 (sequence parallelism) is not implemented yet; use 1")
+        if self.train.mixed_precision != "off" and self.model.dtype != "float32":
+            raise ValueError(
+                f"train.mixed_precision={self.train.mixed_precision} keeps float32 master weights and computes in "
+                f"bf16; model.dtype={self.model.dtype} would make the master weights low precision too: set "
+                "model.dtype=float32 (or mixed_precision=off to train fully in that dtype)"
+            )
         if self.data.path is None and self.data.task is None:
             raise ValueError("data: set either `path` (a prompt file) or `task` (a built-in task)")
         if self.sft.enabled and self.sft.path is None and self.data.task is None:

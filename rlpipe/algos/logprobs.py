@@ -3,7 +3,8 @@
 The LM head of a 150k-vocab model over a 16k-token pack would need ~10 GB of fp32 logits (plus as much again for
 their gradient). ``chunked_logprobs`` loops over token chunks in forward and *recomputes* each chunk's logits in
 backward, keeping only ``[chunk, vocab]`` alive at a time plus one logsumexp per token. Compute is in fp32 (fp64 if
-the hidden states are fp64, which ``gradcheck`` needs), whatever the model dtype.
+the hidden states are fp64, which ``gradcheck`` needs), whatever the model dtype and even under autocast: a bf16
+hidden state and head weight are upcast, so logits, logsumexp and the returned logprobs are fp32.
 
 With ``z = h W^T / T`` and ``logp = z_y - logsumexp(z)``: ``dlogp/dz = onehot(y) - softmax(z)``, so for upstream
 gradient ``g`` the chunk's ``grad_z = g (onehot - softmax)``, ``grad_h = grad_z W / T`` and ``grad_W += grad_z^T h / T``.
@@ -61,6 +62,11 @@ class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):  # fp32 even if backward runs under autocast
+            return _ChunkedLogprob._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, weight, safe, valid, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dt = _compute_dtype(hidden)
@@ -117,7 +123,10 @@ def chunked_logprobs(
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_l = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
-    out = _ChunkedLogprob.apply(flat_h, lm_head_weight, flat_l, int(chunk_size), float(temperature))
+    # Autocast (train.mixed_precision on a replicated policy) would run the logits matmul in bf16; the logprobs
+    # are meant to be fp32 from end to end (backward disables it too).
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = _ChunkedLogprob.apply(flat_h, lm_head_weight, flat_l, int(chunk_size), float(temperature))
     return out.reshape(labels.shape)
 
 

@@ -28,11 +28,53 @@ def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int,
     raise ValueError(f"unknown lr_schedule {schedule!r} (constant, linear, cosine)")
 
 
-def build_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over `params`; foreach=False keeps CPU and DTensor (FSDP2) parameters on the same, simple path."""
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8, foreach=False
-    )
+OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
+
+
+def resolve_optimizer_impl(impl: str, device_type: str) -> str:
+    """The AdamW kernel for `train.optimizer_impl` on `device_type`.
+
+    auto -> fused wherever torch has the kernel (CUDA and CPU; one pass over all parameters, no full-size
+    temporaries; a smoke run of bench/memory_features.py on CPU: fused 0.49x, foreach 2.7x the for_loop step
+    time), foreach elsewhere. An explicit choice is checked against what
+    torch has a kernel for, so a bad setting fails at build time, naming the field.
+    """
+    if impl == "auto":
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return "fused" if device_type in _get_fused_kernels_supported_devices() else "foreach"
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"train.optimizer_impl={impl!r}: expected auto, {', '.join(OPTIMIZER_IMPLS)}")
+    if impl == "fused":
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        if device_type not in _get_fused_kernels_supported_devices():
+            raise ValueError(f"train.optimizer_impl=fused: torch has no fused AdamW for device {device_type!r}")
+    return impl
+
+
+def set_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str) -> None:
+    """Point every param group at `impl` (one of OPTIMIZER_IMPLS).
+
+    Also called after loading a checkpoint: `load_state_dict` restores the saved groups' `fused`/`foreach` flags,
+    so without this a resumed run would keep the kernel of the run that wrote the checkpoint. Fused AdamW keeps its
+    step counters on the parameter's device, the other two on the CPU; existing counters are moved to match.
+    """
+    fused = impl == "fused"
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = fused, impl == "foreach"
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state and torch.is_tensor(state.get("step")):
+                device = param.device if fused or group.get("capturable") else torch.device("cpu")
+                state["step"] = state["step"].to(device=device, dtype=torch.float32)
+
+
+def build_optimizer(params, cfg: TrainConfig, device_type: str = "cpu") -> torch.optim.AdamW:
+    """AdamW over `params` with the kernel `train.optimizer_impl` resolves to on `device_type`."""
+    impl = resolve_optimizer_impl(cfg.optimizer_impl, device_type)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
+                             foreach=impl == "foreach", fused=impl == "fused")  # fmt: skip
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: TrainConfig, step: int, total_steps: int) -> float:

@@ -7,20 +7,26 @@ directly instead of materialising [tokens, vocab] logits.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from rlpipe.data.packing import Pack
 from rlpipe.models.packed import token_logprobs
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
 
 class PolicyModel(nn.Module):
     """`forward(pack tensors) -> logprobs [L]` over a HF causal LM, at `temperature` (RL: the sampling one; SFT: 1)."""
 
-    def __init__(self, hf_model: nn.Module, chunk_size: int):
+    def __init__(self, hf_model: nn.Module, chunk_size: int, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.hf = hf_model
         self.chunk_size = chunk_size
+        self.autocast_dtype = autocast_dtype  # replicated mixed precision (`autocast_dtype`); None: parameter dtype
 
     def forward(
         self,
@@ -31,8 +37,9 @@ class PolicyModel(nn.Module):
         prefix_of: torch.Tensor | None = None,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size, prefix_of,
-                             temperature)  # fmt: skip
+        with torch.autocast(input_ids.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size,
+                                 prefix_of, temperature)  # fmt: skip
         return out.clone()  # FSDP2 warns about (and mishandles in-place ops on) a view returned from forward
 
     def logprobs(self, pack: Pack, temperature: float = 1.0) -> torch.Tensor:
@@ -63,19 +70,87 @@ def resolve_small_model_auto(setting: bool | str, model: nn.Module) -> bool:
     return parameter_bytes(model) >= SMALL_MODEL_BYTES if setting == "auto" else bool(setting)
 
 
-def shard_policy(policy: PolicyModel, mesh, reshard_after_forward: bool | str = True) -> PolicyModel:
+def shard_policy(
+    policy: PolicyModel, mesh, reshard_after_forward: bool | str = True, mp_policy: MixedPrecisionPolicy | None = None
+) -> PolicyModel:
     """FSDP2: one unit per decoder layer plus the root (embeddings, norm, head) over the dp mesh.
 
     ``reshard_after_forward="auto"`` resolves to False for policies under ``SMALL_MODEL_BYTES`` (see
-    ``TrainConfig.fsdp_reshard_after_forward``).
+    ``TrainConfig.fsdp_reshard_after_forward``). ``mp_policy``: see ``mixed_precision_policy``; None keeps the
+    parameter dtype for compute and reductions.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     reshard_after_forward = resolve_small_model_auto(reshard_after_forward, policy)
     for layer in decoder_layers(policy.hf):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(policy, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(policy, mesh=mesh, mp_policy=mp_policy)
     return policy
+
+
+def mixed_precision_policy(setting: str) -> MixedPrecisionPolicy | None:
+    """FSDP2 policy for `train.mixed_precision` on a sharded policy.
+
+    bf16: each unit all-gathers its fp32 shards as bf16 and computes in bf16 (norms, attention and MLP alike);
+    gradients are reduce-scattered in fp32 into the fp32 shards, so master weights and AdamW states stay fp32.
+    """
+    if setting == "off":
+        return None
+    if setting != "bf16":
+        raise ValueError(f"train.mixed_precision={setting!r}: expected off or bf16")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def autocast_dtype(setting: str) -> torch.dtype | None:
+    """`PolicyModel.autocast_dtype` for `train.mixed_precision` on a replicated or single-process policy.
+
+    Why autocast rather than a bf16 copy of the weights: the fp32 parameters stay the only copy the optimizer and
+    the gradient all-reduce see (gradients arrive in fp32 through autocast's differentiable casts, so the
+    replicated all-reduce sums fp32 as FSDP2's reduce_dtype does), and there is no second module to keep in sync.
+    Autocast runs matmuls (linear, attention) in bf16 and keeps norms, softmax and residual adds in fp32, so it is
+    slightly more precise than FSDP2's all-bf16 compute; the chunked logprob disables it (fp32 logits).
+    """
+    if setting == "off":
+        return None
+    if setting != "bf16":
+        raise ValueError(f"train.mixed_precision={setting!r}: expected off or bf16")
+    return torch.bfloat16
+
+
+def apply_activation_checkpointing(hf_model: nn.Module) -> None:
+    """Recompute every decoder layer's forward in backward instead of storing its activations.
+
+    torch's composable ``checkpoint`` (non-reentrant, hooks on the layer) rather than ``checkpoint_wrapper``: it
+    leaves the module tree and parameter names alone, so DCP checkpoints, ``copy_policy_into`` and the serving
+    export see the same names with and without it. Applied before ``fully_shard``, so FSDP2's per-layer unshard
+    runs inside the checkpointed region and again in the recompute (what torch's FSDP2 AC tests exercise).
+    """
+    from torch.distributed._composable import checkpoint
+
+    for layer in decoder_layers(hf_model):
+        checkpoint(layer, preserve_rng_state=True)
+
+
+def compile_decoder_layers(hf_model: nn.Module) -> None:
+    """torch.compile each decoder layer's forward in place.
+
+    The layer's ``forward`` is replaced rather than wrapping the module (``torch.compile(module)`` adds an
+    ``_orig_mod.`` prefix to every parameter name), so module hooks (FSDP2's unshard, activation checkpointing)
+    stay outside the compiled graph and names stay stable.
+    """
+    for layer in decoder_layers(hf_model):
+        layer.forward = torch.compile(layer.forward)
+
+
+def apply_layer_options(hf_model: nn.Module, activation_checkpointing: bool, compile_layers: bool) -> None:
+    """`train.activation_checkpointing` and `train.compile` on the decoder layers (before any sharding)."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(hf_model)
+    if compile_layers:
+        compile_decoder_layers(hf_model)
 
 
 def full_hf_state_dict(policy: PolicyModel) -> dict[str, torch.Tensor]:

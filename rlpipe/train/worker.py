@@ -38,12 +38,15 @@ from rlpipe.train.distributed import (
 )
 from rlpipe.train.metrics import FitMetrics, SFTMetrics, TrainStepMetrics
 from rlpipe.train.objective import BatchStats, StepSums, batch_statistics, rl_microbatch_loss, sft_microbatch_loss
-from rlpipe.train.optim import build_optimizer, set_lr
+from rlpipe.train.optim import build_optimizer, resolve_optimizer_impl, set_lr, set_optimizer_impl
 from rlpipe.train.policy import (
     PolicyModel,
+    apply_layer_options,
+    autocast_dtype,
     copy_policy_into,
     copy_weights_into,
     full_hf_state_dict,
+    mixed_precision_policy,
     resolve_small_model_auto,
     shard_policy,
 )
@@ -75,7 +78,7 @@ class TrainingWorker:
         init_process_group(self.rank, self.world_size, master_addr, master_port, backend_for(self.device))
         self.mesh = _data_mesh(self.device, self.world_size, self.cfg.train.sp_size)
         self.policy = self._build_policy(self.model_dir)
-        self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.train)
+        self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.train, self.device.type)
         self.ref = self._build_reference() if self.cfg.algo.use_kl_loss else None
         self.rollout_model = None  # unsharded generate copy, built on first use
         self._rollout_stale = True
@@ -90,10 +93,15 @@ class TrainingWorker:
                         scoring_attention(model_cfg.attn_implementation, self.cfg.train.packed_attention))  # fmt: skip
         hf.config.use_cache = False
         hf.train()
+        train = self.cfg.train
+        apply_layer_options(hf, train.activation_checkpointing, train.compile)
         policy = PolicyModel(hf, self.cfg.algo.chunk_size)
-        self._sharded = dist.is_initialized() and resolve_small_model_auto(self.cfg.train.fsdp, policy)
+        self._sharded = dist.is_initialized() and resolve_small_model_auto(train.fsdp, policy)
         if self._sharded:
-            shard_policy(policy, self.mesh["dp"], self.cfg.train.fsdp_reshard_after_forward)
+            shard_policy(policy, self.mesh["dp"], train.fsdp_reshard_after_forward,
+                         mixed_precision_policy(train.mixed_precision))  # fmt: skip
+        else:
+            policy.autocast_dtype = autocast_dtype(train.mixed_precision)
         return policy
 
     def _build_reference(self) -> PolicyModel:
@@ -330,6 +338,7 @@ class TrainingWorker:
             ckpt.load_dcp(self.policy, None, Path(weights_dir))
             return
         ckpt.load_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir))
+        set_optimizer_impl(self.optimizer, resolve_optimizer_impl(self.cfg.train.optimizer_impl, self.device.type))
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state["skipped_steps"])
         if state["rng"] is None:
