@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rlpipe.algos.logprobs import scoring_temperature
 from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import Pack
-from rlpipe.models.loading import load_model
+from rlpipe.models.loading import empty_model, load_model
 from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.hf_engine import HFRolloutEngine
@@ -44,8 +44,11 @@ from rlpipe.train.policy import (
     copy_policy_into,
     copy_weights_into,
     full_hf_state_dict,
+    load_sharded_weights,
+    reshard_root,
     resolve_small_model_auto,
     shard_policy,
+    shard_reference,
 )
 
 
@@ -85,24 +88,50 @@ class TrainingWorker:
 
     # ----------------------------------------------------------------- setup
     def _build_policy(self, model_dir: str) -> PolicyModel:
-        model_cfg = self.cfg.model
-        hf = load_model(model_dir, model_cfg.dtype, str(self.device), model_cfg.trust_remote_code,
-                        scoring_attention(model_cfg.attn_implementation, self.cfg.train.packed_attention))  # fmt: skip
-        hf.config.use_cache = False
-        hf.train()
-        policy = PolicyModel(hf, self.cfg.algo.chunk_size)
+        """The policy, sharded (FSDP2, loaded shard by shard: `_load_sharded`) or replicated (`train.fsdp`)."""
+        policy = self._empty_policy(model_dir)  # meta parameters: the layout is decided from the size alone
         self._sharded = dist.is_initialized() and resolve_small_model_auto(self.cfg.train.fsdp, policy)
         if self._sharded:
-            shard_policy(policy, self.mesh["dp"], self.cfg.train.fsdp_reshard_after_forward)
+            reshard = self.cfg.train.fsdp_reshard_after_forward
+            self._load_sharded(policy, model_dir, lambda p: shard_policy(p, self.mesh["dp"], reshard))
+        else:
+            policy = self._loaded_policy(model_dir, str(self.device))
+        policy.hf.config.use_cache = False
+        policy.train()
         return policy
 
     def _build_reference(self) -> PolicyModel:
-        """Frozen reference for KL: `ref_load_from` or the base policy; parked on CPU between uses (as the seed)."""
+        """Frozen reference for KL (`ref_load_from` or the base policy), laid out like the policy: FSDP2-sharded
+        and loaded shard by shard when the policy is sharded, else a full copy parked on CPU between uses (as the
+        seed). `train.ref_offload` keeps a sharded reference's shards in CPU memory on GPU runs."""
         path = self.cfg.train.ref_load_from or self.model_dir
-        hf = load_model(path, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code,
-                        scoring_attention(self.cfg.model.attn_implementation, self.cfg.train.packed_attention))  # fmt: skip
-        hf.eval().requires_grad_(False)
+        if not self._sharded:
+            ref = self._loaded_policy(path, "cpu")
+            ref.eval().requires_grad_(False)
+            return ref
+        offload = self.cfg.train.ref_offload and self.device.type == "cuda"
+        ref = self._empty_policy(path)
+        self._load_sharded(ref, path, lambda r: shard_reference(r, self.mesh["dp"], offload), offload)
+        return ref
+
+    def _scoring_attention(self) -> str:
+        return scoring_attention(self.cfg.model.attn_implementation, self.cfg.train.packed_attention)
+
+    def _empty_policy(self, model_dir: str) -> PolicyModel:
+        m = self.cfg.model
+        hf = empty_model(model_dir, m.dtype, m.trust_remote_code, self._scoring_attention())
         return PolicyModel(hf, self.cfg.algo.chunk_size)
+
+    def _loaded_policy(self, model_dir: str, device: str) -> PolicyModel:
+        m = self.cfg.model
+        hf = load_model(model_dir, m.dtype, device, m.trust_remote_code, self._scoring_attention())
+        return PolicyModel(hf, self.cfg.algo.chunk_size)
+
+    def _load_sharded(self, model: PolicyModel, model_dir: str, shard, offload: bool = False) -> None:
+        """Shard the meta-initialised `model` (`shard(model)`), then each rank reads only its own shards of the
+        safetensors: no rank materialises the full model (offloaded shards go to CPU, buffers to the device)."""
+        shard(model)
+        load_sharded_weights(model, model_dir, "cpu" if offload else self.device, self.device)
 
     # ----------------------------------------------------------------- rollout (colocated)
     def generate(self, prompts: list[list[int]], params_json: str) -> list[Generation]:
@@ -144,9 +173,13 @@ class TrainingWorker:
     def compute_ref_logprobs(self, packs: list[Pack]) -> list[torch.Tensor]:
         if self.ref is None:
             raise RuntimeError("compute_ref_logprobs called but algo.use_kl_loss is off")
-        self.ref.to(self.device)
+        if not self._sharded:
+            self.ref.to(self.device)  # a replicated reference is parked on CPU between uses
         out = [self.ref.logprobs(p.to(self.device), self.temperature).cpu() for p in packs]
-        self.ref.to("cpu")
+        if self._sharded:
+            reshard_root(self.ref)  # no backward follows: free the gathered embeddings and head now
+        else:
+            self.ref.to("cpu")
         return out
 
     # ----------------------------------------------------------------- RL fit
