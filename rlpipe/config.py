@@ -114,7 +114,8 @@ class RolloutConfig(_Strict):
 
     engine: Literal["hf", "vllm", "sglang", "openai"] = Field(
         "hf",
-        description="hf: generate in the workers; vllm: a vLLM server rlpipe starts (or `server_url`) and keeps in "
+        description="hf: generate in the workers (each rank holds a full unsharded copy of the policy for it, even "
+        "with train.fsdp: docs/ARCHITECTURE.md); vllm: a vLLM server rlpipe starts (or `server_url`) and keeps in "
         "sync; sglang: an SGLang server at `server_url`, kept in sync; openai: any OpenAI-compatible server that is "
         "NOT synced (off-policy after the first update: needs algo.rollout_is.enabled).",
     )
