@@ -114,7 +114,8 @@ class RolloutConfig(_Strict):
 
     engine: Literal["hf", "vllm", "sglang", "openai"] = Field(
         "hf",
-        description="hf: generate in the workers; vllm: a vLLM server rlpipe starts (or `server_url`) and keeps in "
+        description="hf: generate in the workers (each rank holds a full unsharded copy of the policy for it, even "
+        "with train.fsdp: docs/ARCHITECTURE.md); vllm: a vLLM server rlpipe starts (or `server_url`) and keeps in "
         "sync; sglang: an SGLang server at `server_url`, kept in sync; openai: any OpenAI-compatible server that is "
         "NOT synced (off-policy after the first update: needs algo.rollout_is.enabled).",
     )
@@ -230,6 +231,14 @@ class TrainConfig(_Strict):
     seed: int = Field(0, description="Seed of model init, sampling and shuffles.")
     deterministic: bool = Field(True, description="torch deterministic algorithms (identical reruns on CPU).")
     ref_load_from: str | None = Field(None, description="Reference model dir for KL; None uses the base policy.")
+    ref_offload: bool = Field(
+        True,
+        description="Keep the KL reference's weights in CPU memory between uses (GPU runs; no effect on CPU). The "
+        "reference follows the policy's layout (train.fsdp). Replicated: the full copy moves to the device for the "
+        "reference-logprob pass and back (as the seed). FSDP2-sharded: each rank keeps its 1/dp shards in CPU memory "
+        "(FSDP2 CPUOffloadPolicy) and copies a unit to the device only while it is gathered for the forward; false "
+        "keeps the shards on the device (no host-to-device copies, 1/dp of the reference in device memory).",
+    )
     fsdp: bool | Literal["auto"] = Field(
         "auto",
         description="Shard the policy with FSDP2 (fully_shard) over the dp ranks. false: every rank holds the whole "

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpipe.errors import ConfigError
 
@@ -64,6 +65,105 @@ def load_model(
     model.to(device)
     model.eval()
     return model
+
+
+def empty_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """The architecture of the model in ``path`` with its parameters on the meta device (no memory, no values) and
+    its buffers real (eval mode).
+
+    Why buffers real: non-persistent buffers such as RoPE's ``inv_freq`` are computed in ``__init__`` and are not
+    in the weights file, so a fully-meta model would lose them. Fill the parameters with ``materialize`` and
+    ``load_safetensors_into`` (after FSDP2 sharding, so each rank only ever allocates its own shards).
+    """
+    from accelerate import init_empty_weights
+
+    p = _model_dir(path)
+    try:
+        config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code, local_files_only=True)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code,
+                                                     attn_implementation=attn_implementation)  # fmt: skip
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot build model from {str(p)!r}: {e}") from e
+    model.tie_weights()  # init_empty_weights re-registers every parameter, which unties shared ones: tie them again
+    model.eval()
+    return model
+
+
+def materialize(model: nn.Module, device: str | torch.device, buffer_device: str | torch.device | None = None) -> None:
+    """Allocate the meta parameters of ``model`` on ``device`` (uninitialised; load them next) and keep the values
+    of its buffers, moved to ``buffer_device`` (default ``device``).
+
+    Call it on the FSDP2 root when the model is sharded: ``to_empty`` then allocates only each rank's shards.
+    ``buffer_device`` differs from ``device`` for CPU-offloaded FSDP2 units (shards on CPU, compute on the GPU).
+    """
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    aliases = _shared_parameters(model)
+    model.to_empty(device=device)
+    for module, leaf, source in aliases:  # a plain (unsharded) to_empty gives each alias its own tensor: re-tie
+        if getattr(module, leaf) is not (shared := model.get_parameter(source)):
+            setattr(module, leaf, shared)
+    target = torch.device(buffer_device or device)
+    for name, value in saved.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.to(target)
+
+
+def _shared_parameters(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, name of the first owner) for every parameter that is an alias of an earlier one (tied
+    embeddings)."""
+    first: dict[int, str] = {}
+    aliases = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for leaf, param in module._parameters.items():
+            if param is None:
+                continue
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            if id(param) in first:
+                aliases.append((module, leaf, first[id(param)]))
+            else:
+                first[id(param)] = name
+    return aliases
+
+
+def has_safetensors(path: str | Path) -> bool:
+    return any(Path(path).glob("*.safetensors"))
+
+
+def load_safetensors_into(model: nn.Module, path: str | Path) -> None:
+    """Copy the weights of the safetensors in ``path`` into ``model``'s parameters in place (and into any persistent
+    buffer the files hold), converting dtypes.
+
+    The parameters may be FSDP2-sharded DTensors: torch.distributed.checkpoint's ``HuggingFaceStorageReader``
+    plans the read so each rank reads only the slices of its own shards (``safe_open(...).get_slice``), and no
+    rank holds the full model. Tied parameters are one parameter (listed once, under the name the file keeps).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    p = _model_dir(path)
+    if not has_safetensors(p):
+        raise ConfigError(
+            f"sharded loading (train.fsdp) reads safetensors, and {str(p)!r} has none; re-save the model with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
+    reader = HuggingFaceStorageReader(str(p))
+    in_files = set(reader.read_metadata().state_dict_metadata)
+    state: dict[str, torch.Tensor] = dict(model.named_parameters())
+    missing = sorted(set(state) - in_files)
+    if missing:
+        raise ConfigError(
+            f"cannot load {str(p)!r} sharded: its safetensors lack {missing[:5]} ({len(missing)} missing)"
+        )
+    state.update({name: b for name, b in model.named_buffers() if name in in_files})
+    with torch.no_grad():
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(p)))
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -153,6 +153,47 @@ def apply_layer_options(hf_model: nn.Module, activation_checkpointing: bool, com
         compile_decoder_layers(hf_model)
 
 
+def shard_reference(ref: PolicyModel, mesh, offload: bool = False) -> PolicyModel:
+    """FSDP2 for the frozen KL reference: the policy's units (one per decoder layer plus the root), each gathered for
+    its forward and resharded right after (there is no backward to keep them for), so a rank holds 1/dp of the
+    reference plus one gathered layer at a time.
+
+    ``offload``: FSDP2 ``CPUOffloadPolicy``: the shards live in CPU memory and each unit is copied to the device
+    only while it is gathered (``TrainConfig.ref_offload``). Call ``reshard_root`` after the forwards.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    ref.eval().requires_grad_(False)
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    for layer in decoder_layers(ref.hf):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
+    fully_shard(ref, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
+    return ref
+
+
+def reshard_root(model: nn.Module) -> None:
+    """Free the gathered root unit (embeddings, norm, head) of an FSDP2 model after no-grad forwards.
+
+    FSDP2 keeps the root gathered after forward, expecting the backward to need it; a model that is only scored
+    (the reference) would otherwise hold its full embeddings until the next forward.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+def load_sharded_weights(
+    model: PolicyModel, model_dir: str, device: str | torch.device, buffer_device: str | torch.device | None = None
+) -> None:
+    """Fill a meta-initialised, FSDP2-sharded PolicyModel from ``model_dir``'s safetensors, each rank reading only
+    its own shards (``rlpipe.models.loading``): no rank materialises the full model."""
+    from rlpipe.models.loading import load_safetensors_into, materialize
+
+    materialize(model, device, buffer_device)  # on the FSDP2 root: its `_apply` re-registers the sharded params
+    load_safetensors_into(model.hf, model_dir)
+
+
 def full_hf_state_dict(policy: PolicyModel) -> dict[str, torch.Tensor]:
     """Unsharded HF-named weights on every rank (a collective: all ranks must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

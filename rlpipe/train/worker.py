@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rlpipe.algos.logprobs import scoring_temperature
 from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import Pack
-from rlpipe.models.loading import load_model
+from rlpipe.models.loading import empty_model, load_model
 from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.hf_engine import HFRolloutEngine
@@ -46,9 +46,12 @@ from rlpipe.train.policy import (
     copy_policy_into,
     copy_weights_into,
     full_hf_state_dict,
+    load_sharded_weights,
     mixed_precision_policy,
+    reshard_root,
     resolve_small_model_auto,
     shard_policy,
+    shard_reference,
 )
 
 
@@ -88,29 +91,60 @@ class TrainingWorker:
 
     # ----------------------------------------------------------------- setup
     def _build_policy(self, model_dir: str) -> PolicyModel:
-        model_cfg = self.cfg.model
-        hf = load_model(model_dir, model_cfg.dtype, str(self.device), model_cfg.trust_remote_code,
-                        scoring_attention(model_cfg.attn_implementation, self.cfg.train.packed_attention))  # fmt: skip
-        hf.config.use_cache = False
-        hf.train()
+        """The policy, sharded (FSDP2, loaded shard by shard: `_load_sharded`) or replicated (`train.fsdp`), with
+        `train.activation_checkpointing` / `compile` on its decoder layers and `train.mixed_precision` applied."""
         train = self.cfg.train
-        apply_layer_options(hf, train.activation_checkpointing, train.compile)
-        policy = PolicyModel(hf, self.cfg.algo.chunk_size)
+        policy = self._empty_policy(model_dir)  # meta parameters: the layout is decided from the size alone
         self._sharded = dist.is_initialized() and resolve_small_model_auto(train.fsdp, policy)
         if self._sharded:
-            shard_policy(policy, self.mesh["dp"], train.fsdp_reshard_after_forward,
-                         mixed_precision_policy(train.mixed_precision))  # fmt: skip
+
+            def shard(p: PolicyModel) -> PolicyModel:
+                apply_layer_options(p.hf, train.activation_checkpointing, train.compile)  # before fully_shard
+                return shard_policy(p, self.mesh["dp"], train.fsdp_reshard_after_forward,
+                                    mixed_precision_policy(train.mixed_precision))  # fmt: skip
+
+            self._load_sharded(policy, model_dir, shard)
         else:
+            policy = self._loaded_policy(model_dir, str(self.device))
+            apply_layer_options(policy.hf, train.activation_checkpointing, train.compile)
             policy.autocast_dtype = autocast_dtype(train.mixed_precision)
+        policy.hf.config.use_cache = False
+        policy.train()
         return policy
 
     def _build_reference(self) -> PolicyModel:
-        """Frozen reference for KL: `ref_load_from` or the base policy; parked on CPU between uses (as the seed)."""
+        """Frozen reference for KL (`ref_load_from` or the base policy), laid out like the policy: FSDP2-sharded
+        and loaded shard by shard when the policy is sharded, else a full copy parked on CPU between uses (as the
+        seed). `train.ref_offload` keeps a sharded reference's shards in CPU memory on GPU runs."""
         path = self.cfg.train.ref_load_from or self.model_dir
-        hf = load_model(path, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code,
-                        scoring_attention(self.cfg.model.attn_implementation, self.cfg.train.packed_attention))  # fmt: skip
-        hf.eval().requires_grad_(False)
+        if not self._sharded:
+            ref = self._loaded_policy(path, "cpu")
+            ref.eval().requires_grad_(False)
+            ref.autocast_dtype = autocast_dtype(self.cfg.train.mixed_precision)  # scored like the policy
+            return ref
+        offload = self.cfg.train.ref_offload and self.device.type == "cuda"
+        ref = self._empty_policy(path)
+        self._load_sharded(ref, path, lambda r: shard_reference(r, self.mesh["dp"], offload), offload)
+        return ref
+
+    def _scoring_attention(self) -> str:
+        return scoring_attention(self.cfg.model.attn_implementation, self.cfg.train.packed_attention)
+
+    def _empty_policy(self, model_dir: str) -> PolicyModel:
+        m = self.cfg.model
+        hf = empty_model(model_dir, m.dtype, m.trust_remote_code, self._scoring_attention())
         return PolicyModel(hf, self.cfg.algo.chunk_size)
+
+    def _loaded_policy(self, model_dir: str, device: str) -> PolicyModel:
+        m = self.cfg.model
+        hf = load_model(model_dir, m.dtype, device, m.trust_remote_code, self._scoring_attention())
+        return PolicyModel(hf, self.cfg.algo.chunk_size)
+
+    def _load_sharded(self, model: PolicyModel, model_dir: str, shard, offload: bool = False) -> None:
+        """Shard the meta-initialised `model` (`shard(model)`), then each rank reads only its own shards of the
+        safetensors: no rank materialises the full model (offloaded shards go to CPU, buffers to the device)."""
+        shard(model)
+        load_sharded_weights(model, model_dir, "cpu" if offload else self.device, self.device)
 
     # ----------------------------------------------------------------- rollout (colocated)
     def generate(self, prompts: list[list[int]], params_json: str) -> list[Generation]:
@@ -152,9 +186,13 @@ class TrainingWorker:
     def compute_ref_logprobs(self, packs: list[Pack]) -> list[torch.Tensor]:
         if self.ref is None:
             raise RuntimeError("compute_ref_logprobs called but algo.use_kl_loss is off")
-        self.ref.to(self.device)
+        if not self._sharded:
+            self.ref.to(self.device)  # a replicated reference is parked on CPU between uses
         out = [self.ref.logprobs(p.to(self.device), self.temperature).cpu() for p in packs]
-        self.ref.to("cpu")
+        if self._sharded:
+            reshard_root(self.ref)  # no backward follows: free the gathered embeddings and head now
+        else:
+            self.ref.to("cpu")
         return out
 
     # ----------------------------------------------------------------- RL fit
