@@ -10,6 +10,29 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def random_items(seed: int, rows: int, response_lengths: tuple[int, int]) -> list:
+    """`rows` SequenceItems with 6 prompt tokens, a response length drawn from [low, high), random advantages and
+    rollout logprobs: the packed batches of the worker-level unit tests (same seed, same items)."""
+    import torch
+
+    from rlpipe.data.packing import SequenceItem
+
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for row in range(rows):
+        r = int(torch.randint(*response_lengths, (1,), generator=g))
+        items.append(
+            SequenceItem(
+                prompt_ids=torch.randint(5, 40, (6,), generator=g).tolist(),
+                response_ids=torch.randint(5, 40, (r,), generator=g).tolist(),
+                advantage=float(torch.randn(1, generator=g)),
+                rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
+                row=row,
+            )
+        )
+    return items
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for every test that needs workers (starting Ray costs ~7 s)."""

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rlpipe.config import load_config
-from rlpipe.data.packing import SequenceItem, pack_sequences
+from rlpipe.data.packing import pack_sequences
 from rlpipe.models.tiny import TinyModelConfig, create_tiny_model_dir
-from tests.conftest import in_process_worker, tiny_overrides
+from tests.conftest import in_process_worker, random_items, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -20,19 +20,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def _packs():
-    g = torch.Generator().manual_seed(3)
-    items = []
-    for row in range(8):
-        r = int(torch.randint(1, 6, (1,), generator=g))
-        items.append(
-            SequenceItem(
-                prompt_ids=torch.randint(5, 40, (6,), generator=g).tolist(),
-                response_ids=torch.randint(5, 40, (r,), generator=g).tolist(),
-                advantage=float(torch.randn(1, generator=g)),
-                rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
-                row=row,
-            )
-        )
+    items = random_items(3, 8, (1, 6))
     return pack_sequences(items, 32, pad_token_id=0, pad_to_max_length=False)
 
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from rlpipe.config import load_config
-from rlpipe.data.packing import SequenceItem, pack_sequences
+from rlpipe.data.packing import pack_sequences
 from rlpipe.errors import ConfigError
 from rlpipe.models.loading import load_model
 from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.models.tiny import TinyModelConfig, create_tiny_model_dir
 from rlpipe.train.optim import build_optimizer, resolve_optimizer_impl, set_optimizer_impl
 from rlpipe.train.policy import PolicyModel, apply_activation_checkpointing, compile_decoder_layers
-from tests.conftest import in_process_worker, tiny_overrides
+from tests.conftest import in_process_worker, random_items, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +30,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def packs(seed: int = 3, rows: int = 8, pack_len: int = 48):
-    g = torch.Generator().manual_seed(seed)
-    items = []
-    for row in range(rows):
-        r = int(torch.randint(2, 9, (1,), generator=g))
-        items.append(
-            SequenceItem(
-                prompt_ids=torch.randint(5, 40, (6,), generator=g).tolist(),
-                response_ids=torch.randint(5, 40, (r,), generator=g).tolist(),
-                advantage=float(torch.randn(1, generator=g)),
-                rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
-                row=row,
-            )
-        )
+    items = random_items(seed, rows, (2, 9))
     return pack_sequences(items, pack_len, pad_token_id=0, pad_to_max_length=False)
 
 

@@ -17,7 +17,7 @@ from rlpipe.data.packing import SequenceItem, pack_sequences
 from rlpipe.models.loading import load_model
 from rlpipe.models.tiny import TinyModelConfig, create_tiny_model_dir
 from rlpipe.train.distributed import free_port
-from tests.conftest import tiny_overrides
+from tests.conftest import random_items, tiny_overrides
 
 SHAPES = {
     "qwen2-tied": TinyModelConfig(),
@@ -26,19 +26,7 @@ SHAPES = {
 
 
 def _items() -> list[SequenceItem]:
-    g = torch.Generator().manual_seed(5)
-    items = []
-    for row in range(8):
-        r = int(torch.randint(2, 7, (1,), generator=g))
-        items.append(
-            SequenceItem(
-                prompt_ids=torch.randint(5, 40, (6,), generator=g).tolist(),
-                response_ids=torch.randint(5, 40, (r,), generator=g).tolist(),
-                advantage=float(torch.randn(1, generator=g)),
-                rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
-                row=row,
-            )
-        )
+    items = random_items(5, 8, (2, 7))
     return items
 
 
