@@ -140,12 +140,11 @@ def load_safetensors_into(model: nn.Module, path: str | Path) -> None:
     """Copy the weights of the safetensors in ``path`` into ``model``'s parameters in place (and into any persistent
     buffer the files hold), converting dtypes.
 
-    The parameters may be FSDP2-sharded DTensors: torch.distributed.checkpoint's ``HuggingFaceStorageReader``
-    plans the read so each rank reads only the slices of its own shards (``safe_open(...).get_slice``), and no
-    rank holds the full model. Tied parameters are one parameter (listed once, under the name the file keeps).
+    The parameters may be FSDP2-sharded DTensors: each rank reads only the rows of its own shards, straight into
+    them (``rlpipe.models.shard_reader``), so no rank holds the full model or a mapped copy of the file. Tied
+    parameters are one parameter (listed once, under the name the file keeps).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from rlpipe.models.shard_reader import load_rows, read_index
 
     p = _model_dir(path)
     if not has_safetensors(p):
@@ -153,17 +152,10 @@ def load_safetensors_into(model: nn.Module, path: str | Path) -> None:
             f"sharded loading (train.fsdp) reads safetensors, and {str(p)!r} has none; re-save the model with "
             "save_pretrained(..., safe_serialization=True)"
         )
-    reader = HuggingFaceStorageReader(str(p))
-    in_files = set(reader.read_metadata().state_dict_metadata)
+    in_files = read_index(p)
     state: dict[str, torch.Tensor] = dict(model.named_parameters())
-    missing = sorted(set(state) - in_files)
-    if missing:
-        raise ConfigError(
-            f"cannot load {str(p)!r} sharded: its safetensors lack {missing[:5]} ({len(missing)} missing)"
-        )
     state.update({name: b for name, b in model.named_buffers() if name in in_files})
-    with torch.no_grad():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(p)))
+    load_rows(state, in_files, p)
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
