@@ -21,6 +21,11 @@ Per rank it records: peak RSS (``ru_maxrss``) after imports (the baseline), afte
 (its policy parameters, AdamW states after the step, reference parameters: local shards of DTensors). The HF
 rollout copy (a full replica per rank, built on the first colocated ``generate``) is not part of either setup;
 see docs/ARCHITECTURE.md for why it stays.
+
+The ranks run with glibc's ``MALLOC_MMAP_THRESHOLD_=131072`` and ``MALLOC_TRIM_THRESHOLD_=0`` so that freed tensor
+memory goes back to the OS at once and peak RSS tracks the tensors alive at the peak. Without it, freed blocks stay
+in glibc's free lists, RSS keeps them, and the peaks drift by hundreds of MiB between ranks and runs (measured:
+the same rank's step peak varied from 2.5 to 3.7 GiB between two runs of identical code).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from _common import table, write_section  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "runs/bench/smollm2-135m-instruct-float32"
 MIB = 2**20
+# glibc reads these at process start; the spawned ranks inherit them (see the module docstring).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def _peak_rss() -> int:
@@ -153,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=None, help="RESULTS.md to append to.")
     args = parser.parse_args(argv)
 
+    os.environ.update(MALLOC_ENV)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = args.model_dir
@@ -192,7 +200,7 @@ def _report(rows: dict[str, list[dict]], full: int, model_dir: str, load: tuple[
     ref_ratio = worst("new", "ref_bytes") / worst("old", "ref_bytes")
     return (
         f"Model: `{Path(model_dir).name}` ({full / MIB:.0f} MiB of fp32 parameters), 2 ranks (gloo, CPU), "
-        f"`train.fsdp=true`, KL on; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n\n"
+        f"`train.fsdp=true`, KL on, glibc returning freed memory at once (`MALLOC_MMAP_THRESHOLD_=131072`); load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n\n"
         + table(headers, body)
         + "\n\nRatios new/old (worst rank): setup peak RSS above the baseline "
         f"{setup_ratio:.2f}x, peak RSS above the baseline after one RL step {step_ratio:.2f}x, reference bytes "
