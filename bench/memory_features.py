@@ -1,7 +1,8 @@
 """Peak memory and step time of one policy training step on SmolLM2-135M with the memory/throughput switches:
 fp32 baseline, activation checkpointing (`train.activation_checkpointing`), bf16 mixed precision
 (`train.mixed_precision=bf16`, the replicated policy's autocast path), both; and the AdamW kernels
-(`train.optimizer_impl`).
+(`train.optimizer_impl`); with ``--compile``, the step time of `train.compile` (torch.compile of each decoder
+layer, inductor) against eager, and how long its first step (the compilation) takes.
 
 One step = forward + backward of a token-weighted logprob loss over one pack (rlpipe's PolicyModel, chunked
 logprobs, packed sdpa) + AdamW. Memory, per variant in a fresh child process (``--child VARIANT``): the model is
@@ -62,7 +63,7 @@ def make_pack(tokens: int, seq_len: int, vocab: int, seed: int = 0):
     return pack
 
 
-def build(model_dir: str, checkpointing: bool, impl: str = "foreach"):
+def build(model_dir: str, checkpointing: bool, impl: str = "foreach", compile_layers: bool = False):
     """PolicyModel + AdamW as the worker builds a replicated policy (`_build_policy`), fp32 master weights."""
     from rlpipe.config import TrainConfig
     from rlpipe.models.loading import load_model
@@ -73,7 +74,7 @@ def build(model_dir: str, checkpointing: bool, impl: str = "foreach"):
     hf = load_model(model_dir, "float32", "cpu", attn_implementation=scoring_attention("sdpa", True))
     hf.config.use_cache = False
     hf.train()
-    apply_layer_options(hf, checkpointing, compile_layers=False)
+    apply_layer_options(hf, checkpointing, compile_layers=compile_layers)
     policy = PolicyModel(hf, chunk_size=1024)
     return policy, build_optimizer(policy.parameters(), TrainConfig(lr=1e-5, optimizer_impl=impl), "cpu")
 
@@ -156,6 +157,7 @@ def child_timing(args) -> None:
             t0 = time.perf_counter()
             step(*models[checkpointing], pack, mixed_precision)
             times[name].append(time.perf_counter() - t0)
+    compiled = _compile_timing(args, models[False], pack) if args.compile else None
     policy, optimizer = models[False]
     opt_times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     for r in range(args.opt_repeats + 1):
@@ -168,7 +170,32 @@ def child_timing(args) -> None:
             if r > 0:  # the first round is the warm-up of each kernel
                 opt_times[impl].append(time.perf_counter() - t0)
     params = sum(p.numel() for p in policy.parameters())
-    print(json.dumps({"times": times, "opt_times": opt_times, "checks": checks, "params": params}))
+    print(json.dumps({"times": times, "opt_times": opt_times, "checks": checks, "params": params,
+                      "compiled": compiled}))  # fmt: skip
+
+
+def _compile_timing(args, eager, pack) -> dict:
+    """`train.compile` vs eager (fp32, no checkpointing): first compiled step (the compilation), then alternated
+    steady-state steps; the compiled logprobs are checked against eager on the same weights first."""
+    compiled = build(args.model, False, compile_layers=True)
+    compiled[0].load_state_dict(eager[0].state_dict())
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        diff = float((compiled[0].logprobs(pack) - eager[0].logprobs(pack)).abs().max())
+        first_s = time.perf_counter() - t0
+    if diff > 1e-4:
+        raise AssertionError(f"compiled decoder layers changed the logprobs by {diff}")
+    step(*compiled, pack, "off")  # compiles the backward
+    pairs: list[tuple[float, float]] = []
+    for r in range(args.repeats):
+        timed = {}
+        for name, (policy, optimizer) in (("eager", eager), ("compiled", compiled))[:: 1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            step(policy, optimizer, pack, "off")
+            timed[name] = time.perf_counter() - t0
+        pairs.append((timed["eager"], timed["compiled"]))
+    return {"first_forward_s": first_s, "max_logprob_diff": diff, "eager": [e for e, _ in pairs],
+            "compiled": [c for _, c in pairs]}  # fmt: skip
 
 
 def _check_gradients(models, pack) -> dict[str, float]:
@@ -203,7 +230,7 @@ def _check_gradients(models, pack) -> dict[str, float]:
 def run_child(kind: str, variant: str | None, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--tokens", str(args.tokens),
            "--seq-len", str(args.seq_len), "--threads", str(args.threads), "--repeats", str(args.repeats),
-           "--opt-repeats", str(args.opt_repeats)]  # fmt: skip
+           "--opt-repeats", str(args.opt_repeats)] + (["--compile"] if args.compile else [])  # fmt: skip
     cmd += ["--child", variant] if kind == "memory" else ["--timing-child"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                                          os.environ.get("PYTHONPATH", "")])}  # fmt: skip
@@ -248,6 +275,20 @@ def report(args, memory: dict[str, dict], timing: dict, load: str) -> str:
         f"switched per step (median of {args.opt_repeats}):\n\n"
         + table(["train.optimizer_impl", "step (ms)", "time / for_loop"], opt_rows)
         + "\n"
+        + _compile_report(timing.get("compiled"))
+    )
+
+
+def _compile_report(compiled: dict | None) -> str:
+    if not compiled:
+        return ""
+    eager, comp = compiled["eager"], compiled["compiled"]
+    ratio = median([c / e for c, e in zip(comp, eager, strict=True)])
+    return (
+        f"\n`train.compile` (inductor, each decoder layer), fp32, alternated with eager ({len(comp)} pairs): step "
+        f"{median(comp):.3f} s vs eager {median(eager):.3f} s, **{ratio:.2f}x** eager's time; first forward (compiles "
+        f"the layers) {compiled['first_forward_s']:.1f} s; max |logprob diff| vs eager "
+        f"{compiled['max_logprob_diff']:.1e}.\n"
     )
 
 
@@ -261,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opt-repeats", type=int, default=5, help="timed optimizer steps per AdamW kernel")
     ap.add_argument("--results", type=Path, default=None, help="markdown file to append to (default bench/RESULTS.md)")
     ap.add_argument("--no-record", action="store_true", help="print, do not append to RESULTS.md")
+    ap.add_argument("--compile", action="store_true", help="also time train.compile against eager (slow start)")
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--timing-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
