@@ -8,8 +8,9 @@ uninterrupted one:
   weights after iteration `j - 1`, so its staleness `(j - 1) - s(j)` is at most k (exactly k in steady state).
   `staleness` and `engine/weight_version` are logged per iteration and checked here before every update;
 * while the trainer trains batch `j`, the producer samples batch `j + k` (from the weights after `j - 1`);
-* after the update, once every batch that needs older weights has been sampled, the driver syncs the new weights
-  (`EngineSync.ensure_current`: publish, load, probe) under the engine lock, so no sync lands inside a batch;
+* after the update the driver publishes the new weights while the producer is still sampling (`EngineSync.stage`:
+  a new directory, not the served one); once every batch that needs older weights has been sampled, it loads and
+  probes them (`EngineSync.ensure_current`) under the engine lock, so no weight change lands inside a batch;
   the producer only samples (`EngineSync.generate_served`) and never calls the training workers;
 * old logprobs are recomputed by the actor on the current weights (as in the synchronous loop); the engine's
   rollout logprobs stay in the batch, so rollout IS (required by config validation for k >= 1) corrects the gap.
@@ -19,8 +20,8 @@ checkpoint (`pending_rollouts/*.parquet` + their metadata in train_state.json `e
 state is the producer's (after them). A resume trains those batches first and samples the next from the
 checkpoint's weights, exactly as the uninterrupted run does: same prompts, same batches, same counters.
 
-Throughput: one engine, one trainer; steady state costs max(sample, train) + sync per iteration instead of
-sample + train + sync. k >= 2 buffers more batches (it absorbs jitter) but is no faster in steady state.
+Throughput: one engine, one trainer; steady state costs max(sample, train + publish) + load + probe per iteration
+instead of sample + train + publish + load + probe. k >= 2 buffers more batches (it absorbs jitter) but is no faster in steady state.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from rlpipe.train import checkpoint as ckpt
 
 PENDING_DIR = "pending_rollouts"
 PENDING_KEY = "pending_rollouts"  # train_state.json `extra` key
-_SYNC_KEYS = ("engine/syncs", "engine/sync_time_s", "engine/publish_time_s", "engine/load_time_s",
-              "engine/verify_time_s", "engine/probe_max_abs_diff")  # fmt: skip
+_SYNC_KEYS = ("engine/syncs", "engine/sync_time_s", "engine/sync_blocking_s", "engine/publish_time_s",
+              "engine/staged_publish_time_s", "engine/load_time_s", "engine/verify_time_s",
+              "engine/probe_max_abs_diff")  # fmt: skip
 
 
 def sampled_from(iteration: int, k: int, origin: int) -> int:
@@ -192,10 +194,13 @@ class RolloutPipeline:
         if s.sft_due(t):
             row.update(s.sft())
         self.versions[t] = s.state.optimizer_step
-        self._pull_through(min(t + self.k, self.last))  # every batch that needs older weights is sampled
         eval_due = bool(s.cfg.eval_every) and t % s.cfg.eval_every == 0
+        sync_due = t + 1 + self.k <= self.last or eval_due
+        if sync_due:
+            self.sync.stage(s.state.optimizer_step)  # publish while the producer still samples the served weights
+        self._pull_through(min(t + self.k, self.last))  # every batch that needs older weights is sampled
         with self.sync.lock:  # the producer is idle here: it has no permit until the next step
-            if t + 1 + self.k <= self.last or eval_due:
+            if sync_due:
                 row.update(self._sync_now(s.state.optimizer_step))
             if eval_due:
                 row.update(s.evaluate())

@@ -34,7 +34,8 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
 
         engine = SGLangEngine(r.server_url, name, tokenizer.eos_token_id)
     publish = _disk_publisher(controller, serving_root(cfg))
-    if r.weight_sync.method == "nccl":
+    streamed = r.weight_sync.method == "nccl"
+    if streamed:
         publish = _nccl_publisher(controller, engine, r.weight_sync.bucket_mb << 20)
     probe = build_probe(
         [prompts[i].prompt_ids for i in range(min(len(prompts), r.weight_sync.probe_sequences))],
@@ -52,6 +53,7 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
         tolerance=tolerance,
         max_restarts=cfg.rollout.vllm.max_restarts if r.engine == "vllm" else 0,
         log=log,
+        publish_ahead=not streamed,  # a new versioned directory never touches the served one
     )
 
 

@@ -10,6 +10,11 @@ held around every generate call and every sync, so weights never change in the m
 `generate_served`, which never publishes: publishing is a collective on the training workers, and the driver's thread
 is the only one that calls them (two threads calling the same actors could order the collectives differently on
 different ranks and deadlock).
+
+`stage(version)` lets the pipelined loop publish the new weights (and score the trainer's side of the probe) while
+the producer still samples from the engine: a disk publish writes a new versioned directory and leaves the served
+one alone (`write_serving_dir` keeps the newest two), so only the engine's load and its probe wait for the lock. A
+publisher that streams into the server (NCCL) changes the served weights itself, so it is never staged.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class SyncStats:
 
     syncs: int = 0
     publish_time_s: float = 0.0
+    staged_publish_time_s: float = 0.0  # the part of publish_time_s spent in `stage`, outside the engine lock
     load_time_s: float = 0.0
     verify_time_s: float = 0.0
     probe_max_abs_diff: float = 0.0
@@ -43,7 +49,13 @@ class SyncStats:
             "engine/weight_version": float(-1 if version is None else version),
             "engine/syncs": float(self.syncs),
             "engine/sync_time_s": self.publish_time_s + self.load_time_s + self.verify_time_s,
+            # what the trainer waited for the sync (the staged publish overlapped sampling)
+            "engine/sync_blocking_s": self.publish_time_s
+            - self.staged_publish_time_s
+            + self.load_time_s
+            + self.verify_time_s,
             "engine/publish_time_s": self.publish_time_s,
+            "engine/staged_publish_time_s": self.staged_publish_time_s,
             "engine/load_time_s": self.load_time_s,
             "engine/verify_time_s": self.verify_time_s,
             "engine/probe_max_abs_diff": self.probe_max_abs_diff,
@@ -63,9 +75,11 @@ class EngineSync:
         tolerance: float,
         max_restarts: int = 2,
         log=print,
+        publish_ahead: bool = False,
     ):
         self.engine = engine
         self.publish = publish
+        self.publish_ahead = publish_ahead  # True only when `publish` writes a directory the engine loads later
         self.trainer_probe = trainer_probe
         self.probe = probe
         self.tolerance = tolerance
@@ -75,23 +89,44 @@ class EngineSync:
         self.stats = SyncStats()
         self._probe_cache: tuple[int, list[list[float]]] | None = None  # trainer logprobs of the probe per version
         self.lock = threading.RLock()  # held by every generate and sync: no sync in the middle of a batch
+        # (version, its serving dir, the trainer's probe logprobs, publish seconds) written by `stage`, not loaded yet;
+        # driver thread only
+        self._staged: tuple[int, str | None, list[list[float]], float] | None = None
 
     def ensure_current(self, version: int) -> None:
         """Publish and load `version` unless the engine already serves it (verified)."""
         with self.lock:
             self._ensure_current(version)
 
-    def _ensure_current(self, version: int) -> None:
-        if self.engine.served_version == version:
+    def stage(self, version: int) -> None:
+        """Publish `version` and score the trainer's probe now, without the lock; the next `ensure_current(version)`
+        only loads and verifies. A no-op unless `publish_ahead` (see the module docstring). Driver thread only."""
+        if not self.publish_ahead or self.engine.served_version == version:
+            return
+        if self._staged is not None and self._staged[0] == version:
             return
         start = time.perf_counter()
         serving_dir = self.publish(version)
+        self._staged = (version, serving_dir, self.trainer_probe(self.probe), time.perf_counter() - start)
+
+    def _ensure_current(self, version: int) -> None:
+        if self.engine.served_version == version:
+            return
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == version:
+            _, serving_dir, trainer_lp, publish_s = staged
+            self._probe_cache = (version, trainer_lp)
+            self.stats.staged_publish_time_s += publish_s
+        else:
+            start = time.perf_counter()
+            serving_dir = self.publish(version)
+            publish_s = time.perf_counter() - start
         published = time.perf_counter()
         self.engine.load_weights(serving_dir, version)
         loaded = time.perf_counter()
         self.verify(version)
         self.stats.syncs += 1
-        self.stats.publish_time_s += published - start
+        self.stats.publish_time_s += publish_s
         self.stats.load_time_s += loaded - published
         self.stats.verify_time_s += time.perf_counter() - loaded
 

@@ -112,3 +112,27 @@ def test_layouts_quick(tmp_path):
     for name in ("replicated", "fsdp2", "fsdp2-reshard"):
         assert re.search(rf"{name}: wall/step \d+\.\d+ s; replicated is \d+\.\d+x as fast", out), out
     assert "## Training layouts: replicated vs FSDP2" in (tmp_path / "r.md").read_text()
+
+
+def _load(script: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_async_rollout_compares_rewards_at_equal_weight_versions():
+    """k=1 trains iteration t on a batch from the weights after t-2: per iteration it lags one update. The bench
+    compares rewards per weight version, so two runs that learn identically per update compare as equal."""
+    bench = _load("async_rollout.py")
+    learn = [0.1 * v for v in range(12)]  # reward of the weights after v updates, the same for both runs
+    k0 = [{"iteration": t, "reward_mean": learn[t - 1]} for t in range(1, 13)]  # sampled from the weights after t-1
+    k1 = [{"iteration": t, "reward_mean": learn[max(0, t - 2)], "pipeline/weights_iteration": max(0, t - 2)}
+          for t in range(1, 13)]  # fmt: skip
+    assert bench.by_version(k1) == {v: learn[v] for v in range(11)}
+    diff, two_se, basis = bench.reward_verdict([k0], [k1])
+    assert diff == 0.0 and basis.startswith("one seed")  # per iteration the last 10 would differ by 0.1
+    # with seeds, the error is the spread of the paired differences: here 0, 0 and 0.03 (mean 0.01, SE 0.01)
+    better = [dict(r, reward_mean=r["reward_mean"] + 0.03) for r in k1]
+    diff, two_se, basis = bench.reward_verdict([k0, k0, k0], [k1, k1, better])
+    assert basis == "3 seeds" and diff == pytest.approx(0.01) and two_se == pytest.approx(0.02)

@@ -167,6 +167,36 @@ def test_the_next_batch_is_sampled_while_the_trainer_trains():
     assert len(rows) == 5
 
 
+def test_new_weights_are_published_while_the_batch_in_flight_samples_the_old_ones():
+    """Batch j (j >= 3) waits, mid-flight, until the driver has published the weights after iteration j - 1: only a
+    publish staged ahead of the batch's end gets there; the load still waits for the batch (Engine asserts it)."""
+    engine = Engine()
+    session = Session(1, 5, engine)
+    published = {v: threading.Event() for v in range(0, 8)}
+    sync = session.engine_sync
+    inner = sync.publish
+
+    def publish(version):
+        out = inner(version)
+        published[version].set()
+        return out
+
+    sync.publish, sync.publish_ahead = publish, True
+    produced = iter(range(1, 8))
+
+    def before_batch():
+        j = next(produced)
+        if 3 <= j <= 4:  # sampled from version j - 2 while the driver publishes version j - 1 (5 is the last batch:
+            # nothing samples from version 4, so it is not synced)
+            assert published[j - 1].wait(WAIT), f"version {j - 1} was not published while batch {j} was sampled"
+
+    engine.before_batch = before_batch
+    rows, _, _, _ = _run(1, 5, session, engine)
+    assert engine.loads == [0, 1, 2, 3]  # each version loaded once, after its batch-in-flight ended
+    assert all(r["engine/staged_publish_time_s"] > 0 for r in rows[:3])
+    assert all(r["engine/sync_blocking_s"] < r["engine/sync_time_s"] for r in rows[:3])
+
+
 def test_a_producer_error_reaches_the_driver():
     engine = Engine()
 

@@ -134,7 +134,7 @@ class FakeEngine:
         pass
 
 
-def _sync(engine, published, trainer_calls, max_restarts=2):
+def _sync(engine, published, trainer_calls, max_restarts=2, publish_ahead=False):
     from rlpipe.rollout.weight_sync import ProbeSequence
 
     def publish(version):
@@ -146,7 +146,8 @@ def _sync(engine, published, trainer_calls, max_restarts=2):
         return [[-0.5 * published[-1]] * len(s.response_ids) for s in seqs]  # what the trainer holds now
 
     probe = [ProbeSequence([1, 2], [3, 4])]
-    return EngineSync(engine, publish, trainer_probe, probe, 1e-3, max_restarts=max_restarts, log=lambda m: None)
+    return EngineSync(engine, publish, trainer_probe, probe, 1e-3, max_restarts=max_restarts, log=lambda m: None,
+                      publish_ahead=publish_ahead)  # fmt: skip
 
 
 def test_syncs_are_lazy_verified_and_counted():
@@ -168,6 +169,40 @@ def test_a_partial_sync_is_an_error_naming_engine_version_and_difference():
     with pytest.raises(WeightSyncError, match=r"fake http://x .*version 1: max \|logprob difference\| .* 0\.5"):
         sync.generate([[1]], SamplingParams(n=1), version=1)
     assert engine.served_version is None  # never trusted again without a new, verified load
+
+
+def test_a_staged_publish_leaves_the_served_weights_alone_until_the_next_sync_loads_it():
+    engine, published, calls = FakeEngine(), [], []
+    sync = _sync(engine, published, calls, publish_ahead=True)
+    sync.ensure_current(0)
+    sync.stage(1)  # while a producer would still sample version 0
+    assert published == [0, 1] and engine.loads == [0] and engine.served_version == 0
+    gens, restarts = sync.generate_served([[1]], SamplingParams(n=1), 0)
+    assert restarts == 0 and gens[0].logprobs == [-0.0]
+    # a crash now restarts from version 0's directory and is verified against version 0's probe, not the staged one
+    engine.dead = True
+    _, restarts = sync.generate_served([[1]], SamplingParams(n=1), 0)
+    assert restarts == 1 and engine.served_version == 0
+    sync.stats = type(sync.stats)()
+    sync.ensure_current(1)  # loads what was staged: no second publish, no second trainer probe
+    assert published == [0, 1] and engine.loads == [0, 1] and calls == [1, 1] and engine.weight == 0.5
+    row = sync.stats.row(1)
+    assert row["engine/staged_publish_time_s"] == row["engine/publish_time_s"] > 0
+    assert row["engine/sync_blocking_s"] == pytest.approx(row["engine/sync_time_s"] - row["engine/publish_time_s"])
+
+
+def test_a_stale_stage_is_dropped_and_a_streamed_publisher_never_stages():
+    engine, published, calls = FakeEngine(), [], []
+    sync = _sync(engine, published, calls, publish_ahead=True)
+    sync.ensure_current(0)
+    sync.stage(1)
+    sync.ensure_current(2)  # not the staged version: published afresh
+    assert published == [0, 1, 2] and engine.loads == [0, 2] and engine.weight == 1.0
+    streamed, published2 = FakeEngine(), []
+    sync = _sync(streamed, published2, [], publish_ahead=False)
+    sync.ensure_current(0)
+    sync.stage(1)  # an NCCL-like publisher changes the served weights: it must wait for the lock
+    assert published2 == [0] and streamed.served_version == 0
 
 
 def test_a_dead_managed_engine_is_restarted_resynced_and_bounded():
