@@ -43,13 +43,24 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 from _common import finish_reward_plot, median, table, write_section  # noqa: E402
 
+from rlpipe.config import parse_override  # noqa: E402
+from rlpipe.errors import ConfigError  # noqa: E402
+
+
+def _override_arg(text: str) -> tuple[str, object]:
+    try:
+        return parse_override(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 HEADERS = ["layout", "seed", "k", "block", "wall s/iter", "rollout s/iter", "train (fit) s/iter",
            "trainer waited s/iter", "publish s/iter", "sync (trainer waits) s/iter", "max staleness",
            "reward (last 10 versions)", "max abs mismatch_kl", "run wall s"]  # fmt: skip
 COL = {name: i for i, name in enumerate(HEADERS)}
 
 
-def _overrides(work: Path, k: int, iterations: int, url: str, block: int, seed: int = 0) -> dict:
+def _overrides(work: Path, k: int, iterations: int, url: str, block: int, seed: int = 0, extra=()) -> dict:
     run = work / f"k{k}-b{block}-s{seed}"
     return {
         "data.seed": seed,  # the task's problems and the prompt order: an independent replicate per seed
@@ -63,16 +74,18 @@ def _overrides(work: Path, k: int, iterations: int, url: str, block: int, seed: 
         "rollout.server_url": url,
         "algo.rollout_is.enabled": True,
         "rollout.max_staleness": k,
+        **dict(extra),  # --set KEY=VALUE pairs, the same for every run
     }
 
 
 def start_server(cfg, model_dir: str, vllm_python: str, log_dir: Path):
-    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, check_cpu_head_dim
+    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, check_cpu_head_dim, cpu_server_args
 
     check_cpu_head_dim(model_dir)
+    max_model_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     spec = VLLMServerSpec(python=vllm_python, model_dir=str(Path(model_dir).resolve()), served_model_name="policy",
-                          max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-                          kv_cache_gib=cfg.rollout.vllm.kv_cache_gib, log_path=str(log_dir / "vllm.log"))  # fmt: skip
+                          max_model_len=max_model_len, kv_cache_gib=cfg.rollout.vllm.kv_cache_gib,
+                          log_path=str(log_dir / "vllm.log"), extra_args=cpu_server_args(max_model_len))  # fmt: skip
     server = VLLMServer(spec, log=print)
     start = time.perf_counter()
     server.start()
@@ -170,7 +183,7 @@ def run_layout(layout: str, order: list[int], args, work: Path, rows: list, curv
     try:
         for seed in range(args.seeds):
             for block, k in enumerate(order):
-                overrides = _overrides(work / layout, k, args.iterations, server.base_url, block, seed)
+                overrides = _overrides(work / layout, k, args.iterations, server.base_url, block, seed, args.set)
                 print(f"{layout}: seed {seed}, k={k} (block {block}) ...", flush=True)
                 start = time.perf_counter()
                 result = run_segment(load_config(overrides=overrides), None, args.iterations, log=lambda m: None)
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=1, choices=(1, 2), help="1: k=0, k=1; 2: ABBA.")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="Comma-separated: shared, partitioned.")
     ap.add_argument("--seeds", type=int, default=3, help="data.seed replicates of each variant (reward noise).")
+    ap.add_argument("--set", action="append", default=[], type=_override_arg, metavar="KEY=VALUE",
+                    help="A config override for every run (repeatable), e.g. train.lr=3e-4.")  # fmt: skip
     ap.add_argument("--vllm-python", default=os.environ.get("RLPIPE_VLLM_PYTHON")
                     or str(REPO / ".venv-vllm" / "bin" / "python"))  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="Print only; do not append to bench/RESULTS.md.")
@@ -262,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Same work per variant: {args.iterations} GRPO iterations of the default task (tiny model, 64 prompts x 8 "
         f"samples x 6 tokens, 2 workers) per seed (data.seed 0..{args.seeds - 1}), rollout IS (token, truncate at 2) "
         "on in both; medians over iterations 3..K and seeds. The curves are seed 0's."
+        + (f" Overrides: {', '.join(f'{key}={value}' for key, value in args.set)}." if args.set else "")
     )
     print(body)
     if not args.no_record:

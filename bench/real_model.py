@@ -176,7 +176,7 @@ def plot(res: dict, path: Path) -> None:
     finish_reward_plot(fig, ax, path, title, "RL iteration", "reward / accuracy")
 
 
-def body(res: dict) -> str:
+def body(res: dict, plot_path: Path) -> str:
     s, rows = res["settings"], res["rows"]
     before, after = res["before"], res["after"]
     target = after > before and (after >= 2 * before or after >= before + 0.15)
@@ -199,8 +199,14 @@ def body(res: dict) -> str:
         f"{'met' if target and in_time else 'NOT met'}.\n\n"
         f"Settings: {settings}.\n\n{per_iteration}\n\n"
         f"1-min load average: {loads} (2 cores shared with other work: the wall time is not an idle-machine "
-        "number).\n\nCurve: `bench/real_model.png`.\n"
+        f"number).\n\nCurve: `{_shown(plot_path)}`.\n"
     )
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the repo when it is inside it (how the README and RESULTS.md name files)."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,20 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=d.threads, help="train.threads_per_worker")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--model-dir", type=Path, default=None, help="imported model (default runs/bench/...-float32)")
-    ap.add_argument("--plot", type=Path, default=HERE / "real_model.png", help="PNG of the curve")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of the curve (default bench/real_model[_vllm].png)")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to the results file")
     ap.add_argument("--results", type=Path, default=None, help="markdown file to append to (default bench/RESULTS.md)")
     args = ap.parse_args(argv)
     s = Settings(**{k: getattr(args, k) for k in asdict(d)})
     if args.quick:
         s = replace(QUICK, engine=s.engine, threads=s.threads, seed=s.seed)
+    args.plot = args.plot or HERE / ("real_model.png" if s.engine == "hf" else f"real_model_{s.engine}.png")
     model_dir = ensure_model(args.model_dir or default_model_dir("float32"), "float32")
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-real-") as tmp:
         res = run(s, model_dir, Path(tmp))
     (REPO / "runs" / "bench").mkdir(parents=True, exist_ok=True)
     (REPO / "runs" / "bench" / f"real_model-{s.engine}.json").write_text(json.dumps(res, indent=1))
     plot(res, args.plot)
-    text = body(res)
+    text = body(res, args.plot)
     print(text)
     if not args.no_record:
         write_section(f"Learning proof on a pretrained model ({s.engine} rollout)", text, args.results, __file__, argv)

@@ -78,34 +78,42 @@ def _nccl_publisher(controller, engine, bucket_bytes: int):
 
 def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: int | None, log):
     from rlpipe.rollout.vllm_engine import VLLMEngine
-    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, check_cpu_head_dim, resolve_vllm_python
+    from rlpipe.rollout.vllm_server import VLLMServer
 
-    r = cfg.rollout
-    if r.server_url:
-        return VLLMEngine(r.server_url, name, eos_token_id)
-    v = r.vllm
-    spec = VLLMServerSpec(
+    if cfg.rollout.server_url:
+        return VLLMEngine(cfg.rollout.server_url, name, eos_token_id)
+    import torch
+
+    server = VLLMServer(managed_server_spec(cfg, model_dir, name, on_gpu=torch.cuda.is_available()), log=log)
+    server.start()
+    return VLLMEngine(None, name, eos_token_id, server=server)
+
+
+def managed_server_spec(cfg: PipelineConfig, model_dir: str, name: str, on_gpu: bool):
+    """How rlpipe starts its own vLLM server for this config (`rollout.vllm.*`); on CPU, with `cpu_server_args`
+    first (the user's `extra_args` come after them, so theirs win)."""
+    from rlpipe.rollout.vllm_server import VLLMServerSpec, check_cpu_head_dim, cpu_server_args, resolve_vllm_python
+
+    r, v = cfg.rollout, cfg.rollout.vllm
+    max_model_len = v.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens
+    if not on_gpu:
+        check_cpu_head_dim(str(Path(model_dir).resolve()))
+    return VLLMServerSpec(
         python=resolve_vllm_python(v.python),
         model_dir=str(Path(model_dir).resolve()),
         served_model_name=name,
         host=v.host,
         port=v.port,
         dtype=cfg.model.dtype,
-        max_model_len=v.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens,
+        max_model_len=max_model_len,
         kv_cache_gib=v.kv_cache_gib,
         gpu_memory_utilization=v.gpu_memory_utilization,
-        extra_args=list(v.extra_args)
+        extra_args=([] if on_gpu else cpu_server_args(max_model_len))
+        + list(v.extra_args)
         + (["--weight-transfer-config", '{"backend": "nccl"}'] if r.weight_sync.method == "nccl" else []),
         log_path=str(Path(cfg.output_dir).resolve() / "logs" / f"vllm-{cfg.experiment}.log"),
         startup_timeout_s=v.startup_timeout_s,
     )
-    import torch
-
-    if not torch.cuda.is_available():
-        check_cpu_head_dim(spec.model_dir)
-    server = VLLMServer(spec, log=log)
-    server.start()
-    return VLLMEngine(None, name, eos_token_id, server=server)
 
 
 def trainer_probe_logprobs(

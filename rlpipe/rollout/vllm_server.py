@@ -81,6 +81,7 @@ def resolve_vllm_python(configured: str | None, repo_root: Path | None = None) -
 
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_STEP_TOKENS = 8192  # tokens per engine step on CPU without chunked prefill (prompts are never split)
 """Head sizes vLLM 0.32's CPU attention supports (vllm/v1/attention/backends/cpu_attn.py); others crash at the
 first request, after a full start-up."""
 
@@ -98,6 +99,18 @@ def check_cpu_head_dim(model_dir: str) -> None:
             f"supports only {list(CPU_HEAD_DIMS)}. For the tiny default set model.tiny.num_heads so that "
             "hidden_size / num_heads is one of them (the default 64 / 2 = 32 works)."
         )
+
+
+def cpu_server_args(max_model_len: int) -> list[str]:
+    """Arguments a CPU vLLM server needs for rlpipe's seeded requests: no chunked prefill.
+
+    rlpipe sends a sampling seed per prompt (reproducible rollouts). With chunked prefill, a prompt split across
+    engine steps has its first sampled token discarded, and vLLM 0.32 then rewinds that request's generator with
+    `set_offset`, which a CPU generator does not have: the engine core dies (`RuntimeError: CPU Generator does not
+    use offset`; measured: SmolLM2 with 64 prompts of ~160 tokens, more than one step's 2048-token budget). Without
+    chunked prefill every prompt is prefilled in one step; the step budget must hold the longest one.
+    """
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, CPU_STEP_TOKENS))]
 
 
 def _free_port(host: str) -> int:

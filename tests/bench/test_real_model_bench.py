@@ -51,7 +51,7 @@ def test_real_model_bench_short(request, monkeypatch, tmp_path):
     # Two small updates at lr 5e-6 must not wreck the model: greedy accuracy stays within a wide band.
     assert abs(res["after"] - res["before"]) <= 0.25
 
-    body = bench.body(res)
-    assert "Held-out greedy accuracy" in body and "load average" in body
+    body = bench.body(res, tmp_path / "curve.png")
+    assert "Held-out greedy accuracy" in body and "load average" in body and "curve.png" in body
     bench.plot(res, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000

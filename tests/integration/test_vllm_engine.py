@@ -97,13 +97,13 @@ def test_grpo_on_vllm_is_on_policy_every_iteration_learns_and_survives_a_server_
 def external_server(tmp_path_factory):
     """A vLLM server rlpipe did not start (rollout.server_url), on the tiny default base model."""
     from rlpipe.base_model import prepare_base_model
-    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec
+    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, cpu_server_args
 
     tmp = tmp_path_factory.mktemp("ext")
     cfg = _vllm_config(tmp)
     model_dir = prepare_base_model(cfg, log=lambda m: None)
     spec = VLLMServerSpec(python=VLLM_PYTHON, model_dir=model_dir, served_model_name="policy",
-                          max_model_len=256, log_path=str(tmp / "vllm.log"))  # fmt: skip
+                          max_model_len=256, log_path=str(tmp / "vllm.log"), extra_args=cpu_server_args(256))  # fmt: skip
     server = VLLMServer(spec, log=lambda m: None)
     server.start()
     yield tmp, server

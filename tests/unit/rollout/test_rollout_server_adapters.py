@@ -226,3 +226,21 @@ def test_cpu_head_dim_check_names_the_fix(tmp_path):
         check_cpu_head_dim(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
     check_cpu_head_dim(str(tmp_path))
+
+
+def test_a_managed_cpu_server_never_splits_a_prompt_and_the_users_args_win(tmp_path):
+    """Seeded requests + chunked prefill kill vLLM's CPU engine (see `cpu_server_args`): rlpipe's CPU server runs
+    without chunked prefill, with a step budget that holds the longest prompt; on GPU nothing is added."""
+    from rlpipe.config import load_config
+    from rlpipe.serving import managed_server_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
+    cfg = load_config(overrides={"rollout.engine": "vllm", "rollout.vllm.python": sys.executable,
+                                 "rollout.vllm.max_model_len": 10000, "output_dir": str(tmp_path),
+                                 "rollout.vllm.extra_args": ["--max-num-batched-tokens", "20000"]})  # fmt: skip
+    command = managed_server_spec(cfg, str(tmp_path), "policy", on_gpu=False).command(8000)
+    assert "--no-enable-chunked-prefill" in command
+    budgets = [int(command[i + 1]) for i, arg in enumerate(command) if arg == "--max-num-batched-tokens"]
+    assert budgets == [10000, 20000]  # at least max_model_len; the user's, later on the line, is what vLLM keeps
+    gpu = managed_server_spec(cfg, str(tmp_path), "policy", on_gpu=True).command(8000)
+    assert "--no-enable-chunked-prefill" not in gpu and gpu.count("--max-num-batched-tokens") == 1
