@@ -40,6 +40,13 @@ def machine_line() -> str:
     )
 
 
+def repo_relative(path: Path) -> str:
+    """`path` as the README and RESULTS.md name files: relative to the repo when it is inside it."""
+    repo = Path(__file__).resolve().parent.parent
+    path = Path(path).resolve()
+    return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
+
+
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
 

@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from _common import finish_reward_plot, median, table, write_section  # noqa: E402
+from _common import finish_reward_plot, median, repo_relative, table, write_section  # noqa: E402
 
 from rlpipe.config import parse_override  # noqa: E402
 from rlpipe.errors import ConfigError  # noqa: E402
@@ -106,7 +106,7 @@ def last_versions_reward(rows: list[dict], versions: list[int]) -> float:
 def summarize(layout: str, seed: int, k: int, block: int, rows: list[dict], wall: float) -> list[object]:
     steady = rows[2:] or rows
     last = sorted(by_version(rows))[-10:]
-    sync = [r.get("engine/sync_blocking_s", r.get("engine/sync_time_s", 0.0)) for r in steady]
+    sync = [r.get("engine/sync_blocking_time_s", r.get("engine/sync_time_s", 0.0)) for r in steady]
     return [layout, seed, k, block, median([r["iteration_time_s"] for r in steady]),
             median([r["rollout_time_s"] for r in steady]), median([r["fit_time_s"] for r in steady]),
             median([r.get("pipeline/wait_s", r["rollout_time_s"]) for r in steady]),
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="A config override for every run (repeatable), e.g. train.lr=3e-4.")  # fmt: skip
     ap.add_argument("--vllm-python", default=os.environ.get("RLPIPE_VLLM_PYTHON")
                     or str(REPO / ".venv-vllm" / "bin" / "python"))  # fmt: skip
+    ap.add_argument("--plot", type=Path, default=HERE / "async_rollout.png", help="PNG of the reward curves.")
     ap.add_argument("--no-record", action="store_true", help="Print only; do not append to bench/RESULTS.md.")
     args = ap.parse_args(argv)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
             startups[layout] = run_layout(layout, order, args, Path(tmp), rows, curves)
     load_after = os.getloadavg()
     plot({f"{layout}, max_staleness={k}": m for (layout, k, seed), m in curves.items() if seed == 0},
-         HERE / "async_rollout.png")  # fmt: skip
+         args.plot)  # fmt: skip
     reports = {layout: layout_report(layout, rows, curves, args.seeds) for layout in layouts}
     body = table(HEADERS, rows) + "\n\n" + "\n".join(text for text, _ in reports.values()) + "\n"
     if set(layouts) == set(LAYOUTS):
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             f"machine): {reports['shared'][1][0] / reports['partitioned'][1][1]:.2f}x less wall time per iteration.\n"
         )
     body += (
-        "Reward curves: `bench/async_rollout.png`. vLLM server start-up "
+        f"Reward curves: `{repo_relative(args.plot)}`. vLLM server start-up "
         + ", ".join(f"{name} {secs:.0f} s" for name, secs in startups.items())
         + f". Load average (1, 5, 15 min) before {tuple(round(x, 1) for x in load_before)}, after "
         f"{tuple(round(x, 1) for x in load_after)}, on {os.cpu_count()} cores shared by the vLLM server, the "

@@ -46,7 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import finish_reward_plot, table, write_section  # noqa: E402
+from _common import finish_reward_plot, repo_relative, table, write_section  # noqa: E402
 from smollm2 import default_model_dir, ensure_model  # noqa: E402
 
 REPO = HERE.parent
@@ -199,14 +199,8 @@ def body(res: dict, plot_path: Path) -> str:
         f"{'met' if target and in_time else 'NOT met'}.\n\n"
         f"Settings: {settings}.\n\n{per_iteration}\n\n"
         f"1-min load average: {loads} (2 cores shared with other work: the wall time is not an idle-machine "
-        f"number).\n\nCurve: `{_shown(plot_path)}`.\n"
+        f"number).\n\nCurve: `{repo_relative(plot_path)}`.\n"
     )
-
-
-def _shown(path: Path) -> str:
-    """`path` relative to the repo when it is inside it (how the README and RESULTS.md name files)."""
-    path = path.resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from rlpipe.train import checkpoint as ckpt
 
 PENDING_DIR = "pending_rollouts"
 PENDING_KEY = "pending_rollouts"  # train_state.json `extra` key
-_SYNC_KEYS = ("engine/syncs", "engine/sync_time_s", "engine/sync_blocking_s", "engine/publish_time_s",
+_SYNC_KEYS = ("engine/syncs", "engine/sync_time_s", "engine/sync_blocking_time_s", "engine/publish_time_s",
               "engine/staged_publish_time_s", "engine/load_time_s", "engine/verify_time_s",
               "engine/probe_max_abs_diff")  # fmt: skip
 

@@ -50,7 +50,7 @@ class SyncStats:
             "engine/syncs": float(self.syncs),
             "engine/sync_time_s": self.publish_time_s + self.load_time_s + self.verify_time_s,
             # what the trainer waited for the sync (the staged publish overlapped sampling)
-            "engine/sync_blocking_s": self.publish_time_s
+            "engine/sync_blocking_time_s": self.publish_time_s
             - self.staged_publish_time_s
             + self.load_time_s
             + self.verify_time_s,

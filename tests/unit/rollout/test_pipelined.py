@@ -194,7 +194,7 @@ def test_new_weights_are_published_while_the_batch_in_flight_samples_the_old_one
     rows, _, _, _ = _run(1, 5, session, engine)
     assert engine.loads == [0, 1, 2, 3]  # each version loaded once, after its batch-in-flight ended
     assert all(r["engine/staged_publish_time_s"] > 0 for r in rows[:3])
-    assert all(r["engine/sync_blocking_s"] < r["engine/sync_time_s"] for r in rows[:3])
+    assert all(r["engine/sync_blocking_time_s"] < r["engine/sync_time_s"] for r in rows[:3])
 
 
 def test_a_producer_error_reaches_the_driver():

@@ -188,7 +188,7 @@ def test_a_staged_publish_leaves_the_served_weights_alone_until_the_next_sync_lo
     assert published == [0, 1] and engine.loads == [0, 1] and calls == [1, 1] and engine.weight == 0.5
     row = sync.stats.row(1)
     assert row["engine/staged_publish_time_s"] == row["engine/publish_time_s"] > 0
-    assert row["engine/sync_blocking_s"] == pytest.approx(row["engine/sync_time_s"] - row["engine/publish_time_s"])
+    assert row["engine/sync_blocking_time_s"] == pytest.approx(row["engine/sync_time_s"] - row["engine/publish_time_s"])
 
 
 def test_a_stale_stage_is_dropped_and_a_streamed_publisher_never_stages():
