@@ -21,7 +21,8 @@ state is the producer's (after them). A resume trains those batches first and sa
 checkpoint's weights, exactly as the uninterrupted run does: same prompts, same batches, same counters.
 
 Throughput: one engine, one trainer; steady state costs max(sample, train + publish) + load + probe per iteration
-instead of sample + train + publish + load + probe. k >= 2 buffers more batches (it absorbs jitter) but is no faster in steady state.
+instead of sample + train + publish + load + probe. k >= 2 buffers more batches (it absorbs jitter) but is no
+faster in steady state.
 """
 
 from __future__ import annotations

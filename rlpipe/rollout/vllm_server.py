@@ -81,9 +81,9 @@ def resolve_vllm_python(configured: str | None, repo_root: Path | None = None) -
 
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-CPU_STEP_TOKENS = 8192  # tokens per engine step on CPU without chunked prefill (prompts are never split)
 """Head sizes vLLM 0.32's CPU attention supports (vllm/v1/attention/backends/cpu_attn.py); others crash at the
 first request, after a full start-up."""
+CPU_STEP_TOKENS = 8192  # tokens per engine step on CPU without chunked prefill (prompts are never split)
 
 
 def check_cpu_head_dim(model_dir: str) -> None:
