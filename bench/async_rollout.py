@@ -43,17 +43,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 from _common import finish_reward_plot, median, repo_relative, table, write_section  # noqa: E402
 
-from rlpipe.config import parse_override  # noqa: E402
-from rlpipe.errors import ConfigError  # noqa: E402
-
-
-def _override_arg(text: str) -> tuple[str, object]:
-    try:
-        return parse_override(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
 HEADERS = ["layout", "seed", "k", "block", "wall s/iter", "rollout s/iter", "train (fit) s/iter",
            "trainer waited s/iter", "publish s/iter", "sync (trainer waits) s/iter", "max staleness",
            "reward (last 10 versions)", "max abs mismatch_kl", "run wall s"]  # fmt: skip
@@ -78,15 +67,12 @@ def _overrides(work: Path, k: int, iterations: int, url: str, block: int, seed: 
     }
 
 
-def start_server(cfg, model_dir: str, vllm_python: str, log_dir: Path):
-    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, check_cpu_head_dim, cpu_server_args
+def start_server(cfg, model_dir: str):
+    """The CPU server `rollout.engine=vllm` would start for `cfg` (`serving.managed_server_spec`), started once."""
+    from rlpipe.rollout.vllm_server import VLLMServer
+    from rlpipe.serving import SERVED_MODEL_NAME, managed_server_spec
 
-    check_cpu_head_dim(model_dir)
-    max_model_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    spec = VLLMServerSpec(python=vllm_python, model_dir=str(Path(model_dir).resolve()), served_model_name="policy",
-                          max_model_len=max_model_len, kv_cache_gib=cfg.rollout.vllm.kv_cache_gib,
-                          log_path=str(log_dir / "vllm.log"), extra_args=cpu_server_args(max_model_len))  # fmt: skip
-    server = VLLMServer(spec, log=print)
+    server = VLLMServer(managed_server_spec(cfg, model_dir, SERVED_MODEL_NAME, on_gpu=False), log=print)
     start = time.perf_counter()
     server.start()
     return server, time.perf_counter() - start
@@ -98,20 +84,20 @@ def by_version(rows: list[dict]) -> dict[int, float]:
     return {int(r.get("pipeline/weights_iteration", r["iteration"] - 1)): r["reward_mean"] for r in rows}
 
 
-def last_versions_reward(rows: list[dict], versions: list[int]) -> float:
-    rewards = by_version(rows)
+def last_versions_reward(rewards: dict[int, float], versions: list[int]) -> float:
     return statistics.fmean(rewards[v] for v in versions)
 
 
 def summarize(layout: str, seed: int, k: int, block: int, rows: list[dict], wall: float) -> list[object]:
     steady = rows[2:] or rows
-    last = sorted(by_version(rows))[-10:]
+    rewards = by_version(rows)
+    last = sorted(rewards)[-10:]
     sync = [r.get("engine/sync_blocking_time_s", r.get("engine/sync_time_s", 0.0)) for r in steady]
     return [layout, seed, k, block, median([r["iteration_time_s"] for r in steady]),
             median([r["rollout_time_s"] for r in steady]), median([r["fit_time_s"] for r in steady]),
             median([r.get("pipeline/wait_s", r["rollout_time_s"]) for r in steady]),
             median([r.get("engine/publish_time_s", 0.0) for r in steady]), median(sync),
-            max(r.get("staleness", 0.0) for r in rows), last_versions_reward(rows, last),
+            max(r.get("staleness", 0.0) for r in rows), last_versions_reward(rewards, last),
             max(abs(r["mismatch/mismatch_kl"]) for r in rows), wall]  # fmt: skip
 
 
@@ -137,10 +123,11 @@ def reward_verdict(k0: list[list[dict]], k1: list[list[dict]]) -> tuple[float, f
     per-version rewards (it ignores run-to-run variance, so it is too tight)."""
     diffs, per_version = [], ([], [])
     for a, b in zip(k0, k1, strict=True):
-        versions = sorted(set(by_version(a)) & set(by_version(b)))[-10:]
-        diffs.append(last_versions_reward(b, versions) - last_versions_reward(a, versions))
-        for side, rows in zip(per_version, (a, b), strict=True):
-            side.extend(by_version(rows)[v] for v in versions)
+        ra, rb = by_version(a), by_version(b)
+        versions = sorted(set(ra) & set(rb))[-10:]
+        diffs.append(last_versions_reward(rb, versions) - last_versions_reward(ra, versions))
+        for side, rewards in zip(per_version, (ra, rb), strict=True):
+            side.extend(rewards[v] for v in versions)
     if len(diffs) >= 2:
         return statistics.fmean(diffs), 2 * statistics.stdev(diffs) / math.sqrt(len(diffs)), f"{len(diffs)} seeds"
     se = math.sqrt(sum(statistics.variance(x) / len(x) for x in per_version))
@@ -167,14 +154,16 @@ def run_layout(layout: str, order: list[int], args, work: Path, rows: list, curv
 
     all_cores = os.sched_getaffinity(0)
     server_cores, trainer_cores = CORES[layout]
-    cfg0 = load_config(overrides=_overrides(work, 0, args.iterations, "http://127.0.0.1:1", 0))
+    work = work / layout  # the base model, the prompts and the server log of this layout's runs
+    server_overrides = [("rollout.vllm.python", args.vllm_python), *args.set]
+    cfg0 = load_config(overrides=_overrides(work, 0, args.iterations, "http://127.0.0.1:1", 0, 0, server_overrides))
     model_dir = prepare_base_model(cfg0)
     _pin(server_cores, all_cores)
     bind = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     if server_cores is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(server_cores)))
     try:
-        server, startup = start_server(cfg0, model_dir, args.vllm_python, work / layout)
+        server, startup = start_server(cfg0, model_dir)
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if bind is not None:
@@ -183,7 +172,7 @@ def run_layout(layout: str, order: list[int], args, work: Path, rows: list, curv
     try:
         for seed in range(args.seeds):
             for block, k in enumerate(order):
-                overrides = _overrides(work / layout, k, args.iterations, server.base_url, block, seed, args.set)
+                overrides = _overrides(work, k, args.iterations, server.base_url, block, seed, args.set)
                 print(f"{layout}: seed {seed}, k={k} (block {block}) ...", flush=True)
                 start = time.perf_counter()
                 result = run_segment(load_config(overrides=overrides), None, args.iterations, log=lambda m: None)
@@ -236,13 +225,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=1, choices=(1, 2), help="1: k=0, k=1; 2: ABBA.")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="Comma-separated: shared, partitioned.")
     ap.add_argument("--seeds", type=int, default=3, help="data.seed replicates of each variant (reward noise).")
-    ap.add_argument("--set", action="append", default=[], type=_override_arg, metavar="KEY=VALUE",
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="A config override for every run (repeatable), e.g. train.lr=3e-4.")  # fmt: skip
     ap.add_argument("--vllm-python", default=os.environ.get("RLPIPE_VLLM_PYTHON")
                     or str(REPO / ".venv-vllm" / "bin" / "python"))  # fmt: skip
     ap.add_argument("--plot", type=Path, default=HERE / "async_rollout.png", help="PNG of the reward curves.")
     ap.add_argument("--no-record", action="store_true", help="Print only; do not append to bench/RESULTS.md.")
     args = ap.parse_args(argv)
+    from rlpipe.config import parse_override
+
+    args.set = [parse_override(text) for text in args.set]
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     if not layouts or any(name not in LAYOUTS for name in layouts):
         ap.error(f"--layouts takes a comma-separated subset of {', '.join(LAYOUTS)}, got {args.layouts!r}")
