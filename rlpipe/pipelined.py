@@ -46,6 +46,12 @@ PENDING_KEY = "pending_rollouts"  # train_state.json `extra` key
 _SYNC_KEYS = ("engine/syncs", "engine/sync_time_s", "engine/sync_blocking_time_s", "engine/publish_time_s",
               "engine/staged_publish_time_s", "engine/load_time_s", "engine/verify_time_s",
               "engine/probe_max_abs_diff")  # fmt: skip
+# Rollout IS corrects a k-update-old batch only while one update moves the policy little. On the default task
+# (bench/async_rollout.py, 400 iterations, k=1) the 10-iteration mean of mismatch/mismatch_kl peaked at 0.035 and
+# 0.049 (two seeds) at lr 5e-4, where k=1 ended within the noise of k=0, and passed 0.05 by iteration 14 at lr 1e-3,
+# where k=1 collapsed twice.
+DRIFT_WINDOW = 10
+DRIFT_WARN_KL = 0.05
 
 
 def sampled_from(iteration: int, k: int, origin: int) -> int:
@@ -62,6 +68,36 @@ def check_staleness(iteration: int, weights_iteration: int, k: int) -> int:
             f"(staleness {staleness}), outside [0, rollout.max_staleness={k}]"
         )
     return staleness
+
+
+class DriftMonitor:
+    """Warns once when the policy moves too far per update for rollout IS to correct a stale batch.
+
+    Watches the running mean of `mismatch/mismatch_kl` (KL between the weights that sampled a batch and the weights
+    that train it) over the last `window` iterations; a single spike does not warn, a sustained drift does.
+    """
+
+    def __init__(self, k: int, window: int = DRIFT_WINDOW, threshold: float = DRIFT_WARN_KL):
+        self.k, self.threshold = k, threshold
+        self.recent: deque[float] = deque(maxlen=window)
+        self.warned = False
+
+    def observe(self, iteration: int, mismatch_kl: float) -> str | None:
+        """The warning text the first time the running mean passes the threshold; None otherwise."""
+        self.recent.append(mismatch_kl)
+        if self.warned or len(self.recent) < (self.recent.maxlen or 1):
+            return None
+        mean = sum(self.recent) / len(self.recent)
+        if mean <= self.threshold:
+            return None
+        self.warned = True
+        return (
+            f"warning: iteration {iteration}: mismatch/mismatch_kl averaged {mean:.3f} over the last "
+            f"{len(self.recent)} iterations (above {self.threshold}): each update moves the policy too far for rollout "
+            f"IS to correct batches sampled {self.k} update(s) ago, and such runs learn worse than "
+            "rollout.max_staleness=0 (bench/RESULTS.md, pipelined rollout). Lower train.lr or set "
+            "rollout.max_staleness=0."
+        )
 
 
 @dataclass
@@ -142,6 +178,7 @@ class RolloutPipeline:
         self.permitted = self.origin + len(self.ready)
         self.sync.ensure_current(session.state.optimizer_step)  # the origin's weights, before the producer starts
         self.producer = RolloutProducer(self._sample)
+        self.drift = DriftMonitor(self.k)
         session.save_hooks.append(self._save_pending)
         self._permit_through(self.origin + self.k + 1)
 
@@ -192,6 +229,8 @@ class RolloutPipeline:
                     float(s.state.optimizer_step - sampled.weight_version),
                     "pipeline/weights_iteration": float(sampled.weights_iteration), "pipeline/wait_s": waited})  # fmt: skip
         row.update(s.train(sampled.batch))
+        if (warning := self.drift.observe(t, row.get("mismatch/mismatch_kl", 0.0))) is not None:
+            self.log(warning)
         if s.sft_due(t):
             row.update(s.sft())
         self.versions[t] = s.state.optimizer_step

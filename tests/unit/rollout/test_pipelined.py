@@ -12,12 +12,26 @@ import pytest
 
 from rlpipe.config import load_config
 from rlpipe.errors import ConfigError, RolloutServerError
-from rlpipe.pipelined import RolloutPipeline, check_staleness, sampled_from
+from rlpipe.pipelined import DriftMonitor, RolloutPipeline, check_staleness, sampled_from
 from rlpipe.rollout.engine import Generation
 from rlpipe.rollout.engine_sync import EngineSync
 from rlpipe.rollout.weight_sync import ProbeSequence
 
 WAIT = 10.0  # seconds a fake side waits for the other before declaring the loop synchronous
+
+
+def test_drift_warns_once_on_a_sustained_mismatch_and_never_on_a_spike():
+    quiet = DriftMonitor(k=1, window=4, threshold=0.05)
+    # one spike of 0.12 among small gaps: the 4-iteration mean peaks at (0.12 + 3 * 0.01) / 4 = 0.0375
+    assert [quiet.observe(t, kl) for t, kl in enumerate([0.01, 0.01, 0.12, 0.01, 0.01, 0.01], 1)] == [None] * 6
+    loud = DriftMonitor(k=1, window=4, threshold=0.05)
+    said = [loud.observe(t, kl) for t, kl in enumerate([0.2, 0.2, 0.2, 0.01, 0.01, 0.3, 0.3, 0.3], 1)]
+    # the first full window (iteration 4: mean 0.1525, printed 0.153) warns; later windows over it do not repeat it
+    assert said[:3] == [None] * 3 and all(w is None for w in said[4:])
+    assert "iteration 4" in said[3] and "0.153" in said[3] and "train.lr" in said[3]
+    # exactly at the threshold is not over it
+    edge = DriftMonitor(k=2, window=2, threshold=0.05)
+    assert edge.observe(1, 0.05) is None and edge.observe(2, 0.05) is None
 
 
 def test_schedule_is_k_updates_behind_and_never_before_the_origin():
@@ -80,6 +94,7 @@ class Session:
         self.save_hooks: list = []
         self.next_prompt = 0
         self.during_train = lambda t: None
+        self.mismatch_kl = lambda t: 0.0  # what the trainer reports as mismatch/mismatch_kl for iteration t
 
         def publish(version):
             self.publish_threads.append(threading.current_thread().name)
@@ -109,7 +124,7 @@ class Session:
         t = self.state.iteration + 1
         self.during_train(t)
         self.state.iteration, self.state.optimizer_step = t, self.state.optimizer_step + 1
-        return {"loss": 0.0}
+        return {"loss": 0.0, "mismatch/mismatch_kl": self.mismatch_kl(t)}
 
 
 def _run(k: int, iterations: int, session=None, engine=None):
@@ -140,6 +155,21 @@ def test_staleness_from_logged_versions_is_the_schedule_and_at_most_k(k):
     assert set(session.publish_threads) == {threading.current_thread().name}
     # one sync per version a batch needs: the base weights, then after each iteration up to 7 - 1 - k
     assert engine.loads == list(range(0, 7 - k))
+
+
+@pytest.mark.parametrize(("kl", "warnings"), [(0.01, 0), (0.2, 1)])
+def test_the_loop_logs_one_drift_warning_when_the_gap_stays_large(kl, warnings):
+    engine = Engine()
+    session = Session(1, 14, engine)
+    session.mismatch_kl = lambda t: 0.0 if t == 1 else kl  # batch 1 is on-policy
+    logged: list[str] = []
+    with RolloutPipeline(session, None, last_iteration=14, log=logged.append) as pipe:
+        for _ in range(14):
+            pipe.step()
+    drift = [m for m in logged if "mismatch/mismatch_kl averaged" in m]
+    assert len(drift) == warnings
+    if warnings:  # the first full 10-iteration window (0 and nine 0.2s: mean 0.18) ends at iteration 10
+        assert drift[0].startswith("warning: iteration 10: mismatch/mismatch_kl averaged 0.180")
 
 
 def test_the_next_batch_is_sampled_while_the_trainer_trains():
