@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlpipe.base_model import prepare_base_model
-from rlpipe.config import load_config
+from rlpipe.config import TrainConfig, load_config
 from rlpipe.data.sampler import PromptSampler
 from rlpipe.pipeline import iteration_step, run_segment
 from rlpipe.session import LoopState, RLSession
@@ -98,7 +98,7 @@ def test_resume_2_to_1_to_2_draws_the_same_data_and_continues_counters_and_lr(ru
     assert [r["optimizer_step"] for r in rows] == [r["optimizer_step"] for r in straight.metrics] == [2.0, 4.0, 6.0]
     for want, got in zip(straight.metrics, rows, strict=True):  # warm-up LR (10 steps): a function of the step
         assert got["lr"] == want["lr"] and got["sft/lr"] == want["sft/lr"]
-    assert rows[-1]["lr"] == pytest.approx(1e-3 * 5 / 10)  # RL step 4 (0-based) of iteration 3
+    assert rows[-1]["lr"] == pytest.approx(TrainConfig().lr * 5 / 10)  # RL step 4 (0-based) of iteration 3
 
     want, got = ckpt.load_train_state(straight.checkpoint), ckpt.load_train_state(hop[-1].checkpoint)
     for field in ("step", "iteration", "epoch", "consumed_samples", "sampler_state", "sft_loader_state", "extra"):
