@@ -28,6 +28,7 @@ Two core layouts (``--layouts``, default both, each with its own server start):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -134,6 +135,13 @@ def reward_verdict(k0: list[list[dict]], k1: list[list[dict]]) -> tuple[float, f
     return diffs[0], 2 * se, "one seed: per-version spread"
 
 
+def noise_verdict(diff: float, two_se: float) -> str:
+    """k=1 learns as well as k=0 unless its reward is lower by more than the noise; higher is said as such."""
+    if abs(diff) <= two_se + 1e-9:
+        return "within the noise"
+    return "k=1 higher, outside the noise" if diff > 0 else "k=1 LOWER, outside the noise"
+
+
 LAYOUTS = ("shared", "partitioned")
 # Which cores each side may use, per layout: (vLLM server, trainer); None leaves the affinity alone.
 CORES: dict[str, tuple[set[int] | None, set[int] | None]] = {"shared": (None, None), "partitioned": ({0}, {1})}
@@ -177,6 +185,8 @@ def run_layout(layout: str, order: list[int], args, work: Path, rows: list, curv
                 start = time.perf_counter()
                 result = run_segment(load_config(overrides=overrides), None, args.iterations, log=lambda m: None)
                 rows.append(summarize(layout, seed, k, block, result.metrics, time.perf_counter() - start))
+                if args.save_metrics is not None:
+                    save_rows(args.save_metrics / f"{layout}-s{seed}-k{k}-b{block}.jsonl", result.metrics)
                 curves.setdefault((layout, k, seed), result.metrics)
                 print(table(HEADERS, [rows[-1]]), flush=True)
     finally:
@@ -184,6 +194,12 @@ def run_layout(layout: str, order: list[int], args, work: Path, rows: list, curv
         server.stop()
         _pin(None, all_cores)
     return startup
+
+
+def save_rows(path: Path, metrics: list[dict]) -> None:
+    """One run's metrics rows as JSON lines (for per-iteration analysis: staleness, mismatch, IS weights)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in metrics))
 
 
 def layout_report(layout: str, rows: list, curves: dict, seeds: int) -> tuple[str, dict[int, float]]:
@@ -210,7 +226,7 @@ def layout_report(layout: str, rows: list, curves: dict, seeds: int) -> tuple[st
         f"**{layout}**: wall time per iteration k=0 {per_k[0]:.3g} s, k=1 {per_k[1]:.3g} s: **{speedup:.2f}x** less "
         f"at k=1 (target >= 1.3x: {'met' if speedup >= 1.3 else 'NOT met'}). Sampled reward over the last 10 weight "
         f"versions (the same number of updates behind each batch): k=1 minus k=0 = {diff:+.3f}, 2 SE = "
-        f"{two_se:.3f} ({basis}): {'within' if abs(diff) <= two_se + 1e-9 else 'OUTSIDE'} the noise. The bound of "
+        f"{two_se:.3f} ({basis}): {noise_verdict(diff, two_se)}. The bound of "
         f"the overlap from the k=0 medians: {ideal:.2f}x (sampling {sample0:.3g} s beside the rest {rest0:.3g} s + "
         f"publish {pub0:.3g} s, then load and probe {sync0 - pub0:.3g} s, which need the engine idle); side by side "
         f"at k=1, sampling took {slow_roll:.2f}x and the training forward/backward {slow_fit:.2f}x as long as when "
@@ -230,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("RLPIPE_VLLM_PYTHON")
                     or str(REPO / ".venv-vllm" / "bin" / "python"))  # fmt: skip
     ap.add_argument("--plot", type=Path, default=HERE / "async_rollout.png", help="PNG of the reward curves.")
+    ap.add_argument("--save-metrics", type=Path, default=None, metavar="DIR",
+                    help="Also write each run's metrics rows to DIR/<layout>-s<seed>-k<k>-b<block>.jsonl.")  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="Print only; do not append to bench/RESULTS.md.")
     args = ap.parse_args(argv)
     from rlpipe.config import parse_override

@@ -136,3 +136,6 @@ def test_async_rollout_compares_rewards_at_equal_weight_versions():
     better = [dict(r, reward_mean=r["reward_mean"] + 0.03) for r in k1]
     diff, two_se, basis = bench.reward_verdict([k0, k0, k0], [k1, k1, better])
     assert basis == "3 seeds" and diff == pytest.approx(0.01) and two_se == pytest.approx(0.02)
+    assert bench.noise_verdict(diff, two_se) == "within the noise"
+    assert bench.noise_verdict(0.03, 0.02) == "k=1 higher, outside the noise"
+    assert bench.noise_verdict(-0.03, 0.02) == "k=1 LOWER, outside the noise"
