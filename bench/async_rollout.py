@@ -197,9 +197,11 @@ def run_layout(layout: str, order: list[int], args, work: Path, rows: list, curv
 
 
 def save_rows(path: Path, metrics: list[dict]) -> None:
-    """One run's metrics rows as JSON lines (for per-iteration analysis: staleness, mismatch, IS weights)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in metrics))
+    """One run's metrics rows as JSON lines, as `rlpipe run` writes metrics.jsonl (for per-iteration analysis:
+    staleness, mismatch, IS weights); written whole or not at all."""
+    from rlpipe.io import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in metrics))
 
 
 def layout_report(layout: str, rows: list, curves: dict, seeds: int) -> tuple[str, dict[int, float]]:

@@ -78,14 +78,14 @@ class DriftMonitor:
     """
 
     def __init__(self, k: int, window: int = DRIFT_WINDOW, threshold: float = DRIFT_WARN_KL):
-        self.k, self.threshold = k, threshold
+        self.k, self.window, self.threshold = k, window, threshold
         self.recent: deque[float] = deque(maxlen=window)
         self.warned = False
 
     def observe(self, iteration: int, mismatch_kl: float) -> str | None:
         """The warning text the first time the running mean passes the threshold; None otherwise."""
         self.recent.append(mismatch_kl)
-        if self.warned or len(self.recent) < (self.recent.maxlen or 1):
+        if self.warned or len(self.recent) < self.window:
             return None
         mean = sum(self.recent) / len(self.recent)
         if mean <= self.threshold:
@@ -93,7 +93,7 @@ class DriftMonitor:
         self.warned = True
         return (
             f"warning: iteration {iteration}: mismatch/mismatch_kl averaged {mean:.3f} over the last "
-            f"{len(self.recent)} iterations (above {self.threshold}): each update moves the policy too far for rollout "
+            f"{self.window} iterations (above {self.threshold}): each update moves the policy too far for rollout "
             f"IS to correct batches sampled {self.k} update(s) ago, and such runs learn worse than "
             "rollout.max_staleness=0 (bench/RESULTS.md, pipelined rollout). Lower train.lr or set "
             "rollout.max_staleness=0."
