@@ -70,8 +70,8 @@ def _overrides(work: Path, k: int, iterations: int, url: str, block: int, seed: 
 
 def start_server(cfg, model_dir: str):
     """The CPU server `rollout.engine=vllm` would start for `cfg` (`serving.managed_server_spec`), started once."""
-    from rlpipe.rollout.vllm_server import VLLMServer
-    from rlpipe.serving import SERVED_MODEL_NAME, managed_server_spec
+    from rlpipe.rollout.sources import SERVED_MODEL_NAME, managed_server_spec
+    from rlpipe.rollout.vllm_process import VLLMServer
 
     server = VLLMServer(managed_server_spec(cfg, model_dir, SERVED_MODEL_NAME, on_gpu=False), log=print)
     start = time.perf_counter()
@@ -158,7 +158,7 @@ def run_layout(layout: str, order: list[int], args, work: Path, rows: list, curv
 
     from rlpipe.base_model import prepare_base_model
     from rlpipe.config import load_config
-    from rlpipe.pipeline import run_segment
+    from rlpipe.loop import run_segment
 
     all_cores = os.sched_getaffinity(0)
     server_cores, trainer_cores = CORES[layout]

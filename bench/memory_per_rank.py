@@ -72,7 +72,7 @@ def _old_setup(worker, master_addr: str, master_port: int) -> None:
 
     worker_module._seed_everything(worker.cfg.train.seed + worker.rank, worker.cfg.train.deterministic)
     init_process_group(worker.rank, worker.world_size, master_addr, master_port, backend_for(worker.device))
-    worker.mesh = worker_module._data_mesh(worker.device, worker.world_size, worker.cfg.train.sp_size)
+    worker.mesh = worker_module._data_mesh(worker.device, worker.world_size)
     policy = worker._loaded_policy(worker.model_dir, str(worker.device))
     policy.hf.config.use_cache = False
     policy.train()

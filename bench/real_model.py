@@ -117,7 +117,7 @@ def run(s: Settings, model_dir: str, work: Path, log: Callable[[str], None] = pr
     """Evaluate, train for up to ``s.iterations`` iterations within the budget, evaluate; the recorded numbers."""
     from rlpipe.base_model import prepare_base_model
     from rlpipe.config import load_config
-    from rlpipe.pipeline import iteration_step, progress_line
+    from rlpipe.loop import iteration_step, progress_line
     from rlpipe.session import RLSession
 
     cfg = load_config(overrides=overrides(s, model_dir, work))

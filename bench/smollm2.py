@@ -116,8 +116,8 @@ def measure_rollout(model_dir: str, s: Settings, work: Path, log=print) -> dict:
     import numpy as np
     import torch
 
+    from rlpipe.data.builtin_tasks import write_task_dataset
     from rlpipe.data.datasets import load_prompt_dataset
-    from rlpipe.data.tasks import write_task_dataset
     from rlpipe.models.loading import load_model_and_tokenizer
     from rlpipe.rollout.batch import score_generations
     from rlpipe.rollout.engine import SamplingParams

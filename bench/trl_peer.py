@@ -78,7 +78,7 @@ DIFFERENCES = [
     "rewards in groups of 8 a non-zero std is >= 0.35, so advantages differ by < 3e-4 relative",
     "policy loss: rlpipe's vanilla loss has a dual clip (c=3) that TRL lacks; on-policy the ratio is 1, so neither "
     "clip acts",
-    "prompt order: both draw from the same prompt rows with seed 0, but rlpipe's PromptSampler and TRL's "
+    "prompt order: both draw from the same prompt rows with seed 0, but rlpipe's EpochSampler and TRL's "
     "RepeatSampler shuffle differently, and sampling RNG streams differ: reward curves agree only up to sampling "
     "noise, and response lengths (so tokens per step) differ slightly",
     "TRL computes per-token entropies in every training forward (for its logs); rlpipe computes its entropy metric "
@@ -195,8 +195,8 @@ def trl_worker(out: Path, root: Path, steps: int, rep: int, threads: int, micro_
     from trl import GRPOConfig, GRPOTrainer
 
     from rlpipe.base_model import prepare_base_model
+    from rlpipe.data.builtin_tasks import make_task_rows
     from rlpipe.data.datasets import render_prompt
-    from rlpipe.data.tasks import make_task_rows
     from rlpipe.rollout.judges import get_judge
     from rlpipe.train.optim import lr_multiplier
 

@@ -26,8 +26,8 @@ def accuracies(model_dir: str, task: str, seed: int, n: int) -> tuple[float, flo
     """(sampled, greedy) exact-match accuracy on `n` prompts of the RL prompt set (seed `seed`)."""
     import torch
 
+    from rlpipe.data.builtin_tasks import write_task_dataset
     from rlpipe.data.sft import load_sft_dataset
-    from rlpipe.data.tasks import write_task_dataset
     from rlpipe.models.loading import load_model, load_tokenizer
 
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir, "float32", "cpu").eval()

@@ -1,7 +1,7 @@
-"""ImageSpecs of the CPU and the CUDA image, named exactly as `rlpipe.deploy.CPU_IMAGE` / `GPU_IMAGE`.
+"""ImageSpecs of the CPU and the CUDA image, named exactly as `images.deploy.CPU_IMAGE` / `GPU_IMAGE`.
 
 Why fixed names (`tag_format` without the spec hash): the kustomize manifests under `k8s/` and the Flyte tasks must
-run the same image, and `rlpipe.deploy` is the one place that names it. Bump `rlpipe.deploy.IMAGE_TAG` when the
+run the same image, and `images.deploy` is the one place that names it. Bump `images.deploy.IMAGE_TAG` when the
 packages change (or set FLYTE_FORCE_PUSH_IMAGE_SPEC=true to rebuild the same tag).
 
 Importing or serializing needs no Docker: an ImageSpec is a description; flytekit only builds it when a registration
@@ -18,7 +18,7 @@ import os
 
 from flytekit import ImageSpec
 
-from rlpipe.deploy import CPU_IMAGE, GPU_IMAGE, IMAGE_REGISTRY, IMAGE_TAG
+from images.deploy import CPU_IMAGE, GPU_IMAGE, IMAGE_REGISTRY, IMAGE_TAG
 
 PYTHON_VERSION = "3.11"
 """Python of both images (pyproject: requires-python >=3.11,<3.13)."""
@@ -77,7 +77,7 @@ VLLM_VENV_COMMANDS = [
 
 
 def _registry() -> str:
-    """The image registry: RLPIPE_IMAGE_REGISTRY, else `rlpipe.deploy.IMAGE_REGISTRY` (the demo cluster's)."""
+    """The image registry: RLPIPE_IMAGE_REGISTRY, else `images.deploy.IMAGE_REGISTRY` (the demo cluster's)."""
     return os.environ.get("RLPIPE_IMAGE_REGISTRY", IMAGE_REGISTRY)
 
 
@@ -113,4 +113,4 @@ if os.environ.get("RLPIPE_IMAGE_REGISTRY") is None:
     # With the default registry the names are exactly the deployment constants the k8s manifests use.
     _names = (CPU_IMAGE_SPEC.image_name(), GPU_IMAGE_SPEC.image_name())
     if _names != (CPU_IMAGE, GPU_IMAGE):
-        raise RuntimeError(f"ImageSpec names {_names} differ from rlpipe.deploy {(CPU_IMAGE, GPU_IMAGE)}")
+        raise RuntimeError(f"ImageSpec names {_names} differ from images.deploy {(CPU_IMAGE, GPU_IMAGE)}")

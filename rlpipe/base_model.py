@@ -16,10 +16,10 @@ import torch
 
 from rlpipe.algos.logprobs import chunked_cross_entropy
 from rlpipe.config import PipelineConfig
+from rlpipe.data.builtin_tasks import tiny_task_names, write_task_dataset
 from rlpipe.data.packing import pack_sequences
-from rlpipe.data.sampler import PromptSampler
+from rlpipe.data.sampler import EpochSampler
 from rlpipe.data.sft import load_sft_dataset, sft_sequence_items
-from rlpipe.data.tasks import tiny_task_names, write_task_dataset
 from rlpipe.errors import ConfigError
 from rlpipe.io import stable_hash
 from rlpipe.models.loading import load_model, load_tokenizer
@@ -81,7 +81,7 @@ def warm_start(model_dir: Path, cfg: PipelineConfig, log=print) -> float:
     write_task_dataset(cfg.data.task, 4000, cfg.data.seed + 7919, data_file, kind="sft")
     examples = load_sft_dataset(data_file, tokenizer, cfg.sft.max_length).examples
     data_file.unlink()
-    sampler = PromptSampler(len(examples), cfg.model.warmup_sft_batch_size, seed=cfg.train.seed)
+    sampler = EpochSampler(len(examples), cfg.model.warmup_sft_batch_size, seed=cfg.train.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warmup_sft_lr)
     start, loss_value = time.perf_counter(), float("nan")
     model.train()

@@ -16,7 +16,8 @@ def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from rlpipe.config import load_config, parse_override
-    from rlpipe.pipeline import run_segment
+    from rlpipe.loop import run_segment
+    from rlpipe.schedule import Schedule
     from rlpipe.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 
     cfg = load_config(args.config, dict(parse_override(o) for o in args.set))
@@ -41,11 +42,9 @@ def _run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     start = time.perf_counter()
-    while done < cfg.iterations:
-        result = run_segment(cfg, checkpoint, cfg.segment_size, on_iteration, log)
-        if not result.metrics:
-            break
-        checkpoint, done = result.checkpoint, int(result.metrics[-1]["iteration"])
+    for _, k in Schedule(cfg).segments(done):
+        result = run_segment(cfg, checkpoint, k, on_iteration, log)
+        checkpoint = result.checkpoint
         log(f"checkpoint {checkpoint}")
     bar.close()
     print(json.dumps({"checkpoint": checkpoint, "metrics": str(metrics_path),
@@ -77,7 +76,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 
 def _make_data(args: argparse.Namespace) -> int:
-    from rlpipe.data.tasks import write_task_dataset
+    from rlpipe.data.builtin_tasks import write_task_dataset
 
     print(write_task_dataset(args.task, args.n, args.seed, args.out, kind=args.kind))
     return 0

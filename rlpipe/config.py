@@ -142,7 +142,7 @@ class RolloutConfig(_Strict):
         ge=0,
         description="0: rollout, then train, strictly in turn (synchronous). k >= 1: a producer thread samples batch "
         "i+1 from the server engine while the trainer trains batch i; batch i is sampled from the weights after "
-        "iteration i-1-k (exactly k updates old; rlpipe.pipelined). Needs a synced server engine (vllm, sglang) "
+        "iteration i-1-k (exactly k updates old; rlpipe.loop_async). Needs a synced server engine (vllm, sglang) "
         "and algo.rollout_is.enabled to correct the gap.",
     )
 
@@ -191,7 +191,6 @@ class TrainConfig(_Strict):
     """Optimisation and parallelism of the training workers."""
 
     world_size: int = Field(2, ge=1, description="Training workers (Ray actors), one rank each.")
-    sp_size: int = Field(1, ge=1, description="Sequence-parallel size; must divide world_size (dp = world/sp).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda with nccl if available, else cpu/gloo."
     )
@@ -319,12 +318,6 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:
-        if self.train.world_size % self.train.sp_size != 0:
-            raise ValueError(
-                f"train.world_size={self.train.world_size} is not divisible by train.sp_size={self.train.sp_size}"
-            )
-        if self.train.sp_size != 1:
-            raise ValueError("train.sp_size > 1 (sequence parallelism) is not implemented yet; use 1")
         if self.train.mixed_precision != "off" and self.model.dtype != "float32":
             raise ValueError(
                 f"train.mixed_precision={self.train.mixed_precision} keeps float32 master weights and computes in "
@@ -362,13 +355,14 @@ class PipelineConfig(_Strict):
             raise ValueError(
                 f"algo.advantage={self.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)"
             )
-        if self.rollout.prompts_per_step % (self.train.world_size // self.train.sp_size) != 0:
+        if self.rollout.prompts_per_step % self.dp_size != 0:
             raise ValueError("rollout.prompts_per_step must be a multiple of the data-parallel size")
         return self
 
     @property
     def dp_size(self) -> int:
-        return self.train.world_size // self.train.sp_size
+        """Data-parallel ranks: every training worker is one."""
+        return self.train.world_size
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -14,7 +14,7 @@ from flytekitplugins.ray.task import RayFunctionTask
 
 from images.specs import image_spec
 from rlpipe.config import PipelineConfig, validate_config
-from rlpipe.train.controller import ensure_ray
+from rlpipe.ray_env import ensure_ray, set_driver_env
 from rlpipe.train.lineage import lineage_chain, read_manifest
 from tasks import storage
 from tasks.ray_config import RlpipeRayJobConfig, ray_job_config
@@ -107,7 +107,5 @@ def _same(a: str, b: str) -> bool:
 
 @functools.cache
 def env_defaults() -> None:
-    """Environment a local Ray 2.60 and the tokenizers need (idempotent)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    """Environment a local Ray 2.60 and the tokenizers need (`rlpipe.ray_env.WORKER_ENV`; idempotent)."""
+    set_driver_env()

@@ -14,14 +14,12 @@ from collections.abc import Iterator
 from flytekit.exceptions.user import FlyteRecoverableException
 
 from rlpipe.errors import RecoverableError
+from rlpipe.ray_env import lost_worker_errors
 
 
 def recoverable_types() -> tuple[type[BaseException], ...]:
     """RecoverableError plus Ray's actor/node-loss exceptions present in the installed Ray."""
-    import ray.exceptions as rex
-
-    names = ("RayActorError", "ActorDiedError", "NodeDiedError", "ActorUnavailableError", "WorkerCrashedError")
-    return (RecoverableError, *(getattr(rex, n) for n in names if hasattr(rex, n)))
+    return (RecoverableError, *lost_worker_errors())
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""One Flyte task per phase: thin typed wrappers around `rlpipe.pipeline` (no math here).
+"""One Flyte task per phase: thin typed wrappers around `rlpipe.phases` (no math here).
 
 Ray phases (rollout, logprobs, train, sft, evaluate, export) run as RayJobs; light bookkeeping runs as plain tasks.
 Every task takes the config as the validated JSON string `resolve_config` produced, so a run's exact config is an
@@ -14,7 +14,7 @@ from typing import Annotated, NamedTuple
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
-from rlpipe import pipeline
+from rlpipe import phases
 from rlpipe.base_model import prepare_base_model
 from rlpipe.config import load_config, parse_override
 from rlpipe.train.lineage import read_manifest
@@ -103,7 +103,7 @@ def rollout(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint | No
     """Sample, judge and score the next prompts with the checkpoint's policy (deterministic for a fixed seed)."""
     user, cfg, _ = engine_config(config, base_model)
     with retry_on_lost_workers("rollout"):
-        batch, stats = pipeline.rollout(cfg, storage.materialize(checkpoint), iteration)
+        batch, stats = phases.rollout(cfg, storage.materialize(checkpoint), iteration)
     stats["iteration"] = float(iteration)
     sd = tag(RolloutBatchArtifact, rollout_dataset(batch), user.experiment, iteration)
     return RolloutOut(batch=sd, metrics=stats)
@@ -116,7 +116,7 @@ def compute_logprobs(
     """Add old-policy (and, with KL on, reference) logprobs to the batch."""
     user, cfg, _ = engine_config(config, base_model)
     with retry_on_lost_workers("compute_logprobs"):
-        out = pipeline.compute_logprobs(cfg, storage.materialize(checkpoint), open_rollout_batch(batch))
+        out = phases.compute_logprobs(cfg, storage.materialize(checkpoint), open_rollout_batch(batch))
     return tag(RolloutBatchArtifact, rollout_dataset(out), user.experiment, iteration)
 
 
@@ -150,7 +150,7 @@ def train(
     else:
         local = storage.materialize(checkpoint)
         with retry_on_lost_workers("train"):
-            path, metrics = pipeline.train(cfg, local, open_rollout_batch(batch), iteration)
+            path, metrics = phases.train(cfg, local, open_rollout_batch(batch), iteration)
         ckpt = storage.publish(path, cfg, remote, {local: checkpoint.uri} if local and checkpoint else None)
     row = {**(rollout_metrics or {}), **metrics, "iteration": float(iteration)}
     return _finish(user, ckpt, row, f"{user.experiment}: train @ iteration {iteration}")
@@ -162,7 +162,7 @@ def sft(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint, iterati
     user, cfg, remote = engine_config(config, base_model)
     local = storage.materialize(checkpoint)
     with retry_on_lost_workers("sft"):
-        path, metrics = pipeline.sft(cfg, local, iteration)
+        path, metrics = phases.sft(cfg, local, iteration)
     ckpt = storage.publish(path, cfg, remote, {local: checkpoint.uri})
     return _finish(user, ckpt, {**metrics, "iteration": float(iteration)}, f"{user.experiment}: sft @ {iteration}")
 
@@ -174,7 +174,7 @@ def evaluate(
     """Greedy reward on held-out prompts."""
     _, cfg, _ = engine_config(config, base_model)
     with retry_on_lost_workers("evaluate"):
-        out = pipeline.evaluate(cfg, storage.materialize(checkpoint))
+        out = phases.evaluate(cfg, storage.materialize(checkpoint))
     return {**out, "iteration": float(iteration)}
 
 
@@ -193,7 +193,7 @@ def export_hf(
     user, cfg, _ = engine_config(config, base_model)
     out_dir = tempfile.mkdtemp(prefix="rlpipe-hf-")
     with retry_on_lost_workers("export_hf"):
-        pipeline.export_hf(cfg, storage.materialize(checkpoint), out_dir)
+        phases.export_hf(cfg, storage.materialize(checkpoint), out_dir)
     return tag(HFModelArtifact, FlyteDirectory(out_dir), user.experiment, checkpoint.step)
 
 

@@ -1,4 +1,4 @@
-"""The RayJobConfig of every Ray task, built from the deployment constants in `rlpipe.deploy`.
+"""The RayJobConfig of every Ray task, built from the deployment constants in `images.deploy`.
 
 One source of truth: the kustomize manifests under `k8s/` and these task configs read the same pod shapes, so a
 Flyte-launched RayJob and a hand-applied one get the same head, workers and resources.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from flytekit import Resources
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
-from rlpipe.deploy import GPU_RESOURCE, RayGroupShape, profile
+from images.deploy import GPU_RESOURCE, RayGroupShape, profile
 
 TTL_SECONDS_AFTER_FINISHED = 3600
 """Finished RayJobs (and their pods' logs) are kept one hour, then KubeRay deletes them."""
@@ -47,7 +47,7 @@ class RlpipeRayJobConfig(RayJobConfig):
 def ray_job_config(kind: str = "cpu", replicas: int | None = None) -> RlpipeRayJobConfig:
     """The RayJobConfig of the `kind` deployment ('cpu' or 'gpu'); `replicas` overrides the worker count.
 
-    Unknown kinds raise `rlpipe.errors.ConfigError` (from `rlpipe.deploy.profile`).
+    Unknown kinds raise `rlpipe.errors.ConfigError` (from `images.deploy.profile`).
     """
     prof = profile(kind)
     head, worker = _resources(prof.head), _resources(prof.worker)

@@ -12,8 +12,8 @@ from typing import Annotated, NamedTuple
 
 from flytekit.types.directory import FlyteDirectory
 
-from rlpipe import pipeline
-from rlpipe.train.lineage import read_manifest
+from rlpipe import loop
+from rlpipe.train.lineage import lineage_chain, read_manifest
 from tasks import storage
 from tasks.artifacts import CheckpointArtifact, tag
 from tasks.common import checkpoint_metrics_history, engine_config, env_defaults, ray_task, resumable
@@ -54,11 +54,11 @@ def rl_segment(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint |
     def on_iteration(row: dict[str, float]) -> None:
         decks.add(row)
         if int(row["iteration"]) % PROGRESS_EVERY == 0 or int(row["iteration"]) == target:
-            print(f"rl_segment: {pipeline.progress_line(row, user.iterations)}", flush=True)
+            print(f"rl_segment: {loop.progress_line(row, user.iterations)}", flush=True)
 
     remaining = target - (origin.iteration if origin else 0)
     with retry_on_lost_workers("rl_segment"):
-        result = pipeline.run_segment(cfg, local, remaining, on_iteration)
+        result = loop.run_segment(cfg, local, remaining, on_iteration)
     if remote is not None:  # mirror every checkpoint this segment wrote, oldest first (parents before children)
         for path in _chain_until(result.checkpoint, local):
             published.append(storage.publish(path, cfg, remote, aliases).uri)
@@ -77,14 +77,12 @@ def _history(origin: Checkpoint | None) -> list[dict[str, float]]:
 
 
 def _chain_until(newest: str, stop: str | None) -> list[str]:
-    """Local checkpoint dirs from just after `stop` up to `newest`, oldest first (follows manifest parents)."""
+    """Local checkpoint dirs from just after `stop` up to `newest`, oldest first (the manifests' parent chain)."""
     import os
 
-    out, loc = [], newest
-    while loc and (stop is None or os.path.realpath(loc) != os.path.realpath(stop)):
-        out.append(loc)
-        parent = read_manifest(loc).parent
-        if parent is None or storage.is_uri(parent):
-            break
-        loc = parent if os.path.isabs(parent) else os.path.normpath(os.path.join(loc, parent))
-    return out[::-1]
+    def is_stop(loc: str) -> bool:
+        return storage.is_uri(loc) or (stop is not None and os.path.realpath(loc) == os.path.realpath(stop))
+
+    if is_stop(newest):
+        return []
+    return [entry.location for entry in reversed(lineage_chain(newest, until=is_stop).entries)]

@@ -45,14 +45,6 @@ def working_config(cfg: PipelineConfig) -> tuple[PipelineConfig, str | None]:
     return local, root.rstrip("/")
 
 
-def checkpoint_location(cfg: PipelineConfig, name: str) -> str:
-    """Canonical location of checkpoint `name` (step-NNNNNN) of the config's experiment."""
-    root = cfg.checkpoint.root.rstrip("/")
-    if is_uri(root):
-        return posixpath.join(root, cfg.experiment, name)
-    return str(Path(root).absolute() / cfg.experiment / name)
-
-
 def latest_location(cfg: PipelineConfig) -> str | None:
     """Newest complete checkpoint of the experiment under the root (path or URI), or None."""
     root = cfg.checkpoint.root.rstrip("/")

@@ -3,7 +3,8 @@
 Each is a real Flyte type (not a pickle) so the UI shows it, caching can key on it and other tools can read it:
 - `RolloutBatch`: a parquet StructuredDataset with the documented columns (docs/ARCHITECTURE.md "RolloutBatch");
 - `Checkpoint`: a dataclass around the checkpoint directory (FlyteDirectory) plus the fields a reader needs without
-  downloading it (step, iteration, experiment, the lineage manifest as JSON, sampler / SFT loader state);
+  downloading it (step, iteration, experiment, the lineage manifest as JSON, the samplers' `SamplerState`, the same
+  type `train_state.json` holds);
 - metrics: a parquet StructuredDataset, one row per iteration (the same rows `rlpipe run` writes to metrics.jsonl).
 """
 
@@ -23,6 +24,7 @@ from flytekit.models.types import LiteralType
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.structured import StructuredDataset
 
+from rlpipe.data.sampler import SamplerState
 from rlpipe.rollout.batch import LOGPROB_COLUMNS, ROLLOUT_SCHEMA
 from rlpipe.train.checkpoint import load_train_state
 from rlpipe.train.lineage import read_manifest
@@ -110,28 +112,6 @@ def merge_metrics_row(into: dict[str, float], row: dict[str, float]) -> None:
 
 
 @dataclass
-class SamplerState:
-    """Position of the prompt sampler inside a checkpoint (rlpipe.data.sampler.PromptSampler.state_dict)."""
-
-    epoch: int = 0
-    consumed_in_epoch: int = 0
-    total_consumed: int = 0
-    seed: int = 0
-    num_examples: int = 0
-
-    @classmethod
-    def from_dict(cls, state: dict | None) -> SamplerState | None:
-        if state is None:
-            return None
-        return cls(**{k: int(state.get(k, 0)) for k in cls.__dataclass_fields__})
-
-
-@dataclass
-class SFTLoaderState(SamplerState):
-    """Position of the SFT dataloader inside a checkpoint (same sampler, over SFT examples)."""
-
-
-@dataclass
 class Checkpoint:
     """A complete checkpoint directory (rlpipe.train.checkpoint layout) and what a reader needs without opening it.
 
@@ -147,7 +127,7 @@ class Checkpoint:
     iteration: int
     manifest: str = "{}"
     sampler: SamplerState = field(default_factory=SamplerState)
-    sft_loader: SFTLoaderState | None = None
+    sft_sampler: SamplerState | None = None
 
     @classmethod
     def from_dir(cls, directory: str | Path, uri: str, check_complete: bool = True) -> Checkpoint:
@@ -166,13 +146,9 @@ class Checkpoint:
             step=manifest.step,
             iteration=manifest.iteration,
             manifest=manifest.model_dump_json(),
-            sampler=SamplerState.from_dict(state.sampler_state) or SamplerState(),
-            sft_loader=SFTLoaderState.from_dict(state.sft_loader_state),
+            sampler=state.sampler or SamplerState(),
+            sft_sampler=state.sft_sampler,
         )
-
-    def local(self) -> str:
-        """Download (if remote) and return the local directory."""
-        return str(self.path.download())
 
     def manifest_dict(self) -> dict:
         return json.loads(self.manifest)

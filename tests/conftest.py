@@ -38,7 +38,7 @@ def ray_session():
     """One local Ray for every test that needs workers (starting Ray costs ~7 s)."""
     import ray
 
-    from rlpipe.train.controller import ensure_ray
+    from rlpipe.ray_env import ensure_ray
 
     ensure_ray()
     yield ray

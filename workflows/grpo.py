@@ -3,7 +3,7 @@
 `grpo` (default, fast): chains `rl_segment` tasks, each running `segment_size` iterations in one Ray job with the
 weights resident. `grpo_granular`: rollout -> logprobs -> train (-> sft when due, -> evaluate when due) as separate
 tasks per iteration; every batch and checkpoint is a typed output (cacheable, inspectable). Both call the same
-`rlpipe.pipeline` phases in the same order, so the same config and seed give the same numbers.
+`rlpipe.phases` / `rlpipe.loop` in the same order, so the same config and seed give the same numbers.
 
     pyflyte run workflows/grpo.py grpo                       # built-in task, tiny default model, local Ray, CPU
     pyflyte run workflows/grpo.py grpo --overrides '["iterations=4", "train.world_size=1"]'
@@ -21,6 +21,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 from images.specs import image_spec
+from rlpipe.schedule import Schedule
 from tasks.common import decode_config
 from tasks.phases import (
     base_model,
@@ -55,16 +56,14 @@ def _plan(config: str, start: Checkpoint | None, more_iterations: int) -> tuple[
 
 @dynamic(container_image=image_spec("cpu"))
 def segments(config: str, model: FlyteDirectory, start: Checkpoint | None, more_iterations: int = 0) -> RunOut:
-    """Chain `rl_segment` tasks of `segment_size` iterations until the last iteration."""
-    config, first, last = _plan(config, start, more_iterations)
-    segment_size = decode_config(config).segment_size
-    ckpt, tables, it = start, [], first
-    while it <= last:
-        k = min(segment_size, last - it + 1)
+    """Chain `rl_segment` tasks of `segment_size` iterations until the last iteration (`Schedule.segments`, as
+    `rlpipe run` does)."""
+    config, first, _ = _plan(config, start, more_iterations)
+    ckpt, tables = start, []
+    for _, k in Schedule(decode_config(config)).segments(first - 1):
         out = rl_segment(config=config, base_model=model, checkpoint=ckpt, k=k)
         ckpt = out.checkpoint
         tables.append(out.metrics)
-        it += k
     return RunOut(checkpoint=ckpt, metrics=metrics_table(config=config, tables=tables))
 
 
@@ -72,7 +71,7 @@ def segments(config: str, model: FlyteDirectory, start: Checkpoint | None, more_
 def granular(config: str, model: FlyteDirectory, start: Checkpoint | None, more_iterations: int = 0) -> RunOut:
     """rollout -> compute_logprobs -> train (-> sft, -> evaluate when due) for each iteration."""
     config, first, last = _plan(config, start, more_iterations)
-    cfg = decode_config(config)
+    schedule = Schedule(decode_config(config))
     ckpt, rows = start, []
     for it in range(first, last + 1):
         ro = rollout(config=config, base_model=model, checkpoint=ckpt, iteration=it)
@@ -81,13 +80,21 @@ def granular(config: str, model: FlyteDirectory, start: Checkpoint | None, more_
                    rollout_metrics=ro.metrics)  # fmt: skip
         ckpt = tr.checkpoint
         rows.append(tr.metrics)
-        if cfg.sft.enabled and it % cfg.sft.rollout_steps_per_sft == 0:
+        if schedule.sft_due(it):
             st = sft(config=config, base_model=model, checkpoint=ckpt, iteration=it)
             ckpt = st.checkpoint
             rows.append(st.metrics)
-        if cfg.eval_every and it % cfg.eval_every == 0:
+        if schedule.eval_due(it):
             rows.append(evaluate(config=config, base_model=model, checkpoint=ckpt, iteration=it))
     return RunOut(checkpoint=ckpt, metrics=metrics_table(config=config, rows=rows))
+
+
+def _inputs(config_file, overrides, model_dir, checkpoint: str, resume: bool, engine: str) -> dict:
+    """The validated config, the base model and the start checkpoint: the first three nodes of both workflows."""
+    cfg = resolve_config(config_file=config_file, overrides=overrides, engine=engine)
+    model = base_model(config=cfg, model_dir=model_dir)
+    start = start_point(config=cfg, checkpoint=checkpoint, resume=resume)
+    return {"config": cfg, "model": model, "start": start}
 
 
 @workflow
@@ -108,10 +115,9 @@ def grpo(
     `checkpoint.root`; more_iterations: run this many iterations past the start (0 = up to `iterations`); engine:
     the rollout engine (hf, vllm, sglang, openai; "" = `rollout.engine` of the config).
     """
-    cfg = resolve_config(config_file=config_file, overrides=overrides, engine=engine)
-    model = base_model(config=cfg, model_dir=model_dir)
-    start = start_point(config=cfg, checkpoint=checkpoint, resume=resume)
-    return segments(config=cfg, model=model, start=start, more_iterations=more_iterations)
+    return segments(
+        **_inputs(config_file, overrides, model_dir, checkpoint, resume, engine), more_iterations=more_iterations
+    )
 
 
 @workflow
@@ -125,7 +131,6 @@ def grpo_granular(
     engine: str = "",
 ) -> RunOut:
     """RL post-training with one task per phase per iteration (debugging, caching, lineage). Inputs as `grpo`."""
-    cfg = resolve_config(config_file=config_file, overrides=overrides, engine=engine)
-    model = base_model(config=cfg, model_dir=model_dir)
-    start = start_point(config=cfg, checkpoint=checkpoint, resume=resume)
-    return granular(config=cfg, model=model, start=start, more_iterations=more_iterations)
+    return granular(
+        **_inputs(config_file, overrides, model_dir, checkpoint, resume, engine), more_iterations=more_iterations
+    )

@@ -1,21 +1,6 @@
 """Prompt/SFT datasets (parquet/jsonl), resumable samplers with JSON state, sequence packing, built-in tasks."""
 
-from rlpipe.data.datasets import PromptDataset, PromptExample, load_prompt_dataset
-from rlpipe.data.packing import (
-    IGNORE_INDEX,
-    Pack,
-    SequenceItem,
-    efficient_attn_ratio,
-    pack_sequences,
-    pad_pack_to_length,
-    pad_sequences,
-    scatter_to_rows,
-    shard_packs,
-    stack_packs,
-)
-from rlpipe.data.sampler import PromptSampler
-from rlpipe.data.sft import SFTDataset, SFTExample, load_sft_dataset, sft_sequence_items
-from rlpipe.data.tasks import (
+from rlpipe.data.builtin_tasks import (
     BUILTIN_TASKS,
     SyntheticTask,
     builtin_charset,
@@ -24,6 +9,20 @@ from rlpipe.data.tasks import (
     task_names,
     write_task_dataset,
 )
+from rlpipe.data.datasets import PromptDataset, PromptExample, load_prompt_dataset
+from rlpipe.data.packing import (
+    IGNORE_INDEX,
+    Pack,
+    SequenceItem,
+    dp_shards,
+    efficient_attn_ratio,
+    pack_sequences,
+    pad_pack_to_length,
+    pad_sequences,
+    scatter_to_rows,
+)
+from rlpipe.data.sampler import EpochSampler
+from rlpipe.data.sft import SFTDataset, SFTExample, load_sft_dataset, sft_sequence_items
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -31,7 +30,7 @@ __all__ = [
     "Pack",
     "PromptDataset",
     "PromptExample",
-    "PromptSampler",
+    "EpochSampler",
     "SFTDataset",
     "SFTExample",
     "SequenceItem",
@@ -47,8 +46,7 @@ __all__ = [
     "pad_sequences",
     "scatter_to_rows",
     "sft_sequence_items",
-    "shard_packs",
-    "stack_packs",
+    "dp_shards",
     "task_names",
     "write_task_dataset",
 ]

@@ -399,28 +399,11 @@ def pad_pack_to_length(pack: Pack, length: int, pad_token_id: int) -> Pack:
     )
 
 
-def stack_packs(packs: Sequence[Pack]) -> dict[str, torch.Tensor]:
-    """Stack equal-length packs into ``[N, L]`` tensors (``cu_seq_lens`` is per-pack and not stacked)."""
-    if not packs:
-        raise DataError("no packs to stack", field="packs")
-    lengths = {p.length for p in packs}
-    if len(lengths) != 1:
-        raise DataError(f"packs have different lengths {sorted(lengths)}; pad them first", field="packs")
-    names = ["input_ids", "position_ids", "shifted_labels", "advantages", "seq_index"]
-    out = {name: torch.stack([getattr(p, name) for p in packs]) for name in names}
-    if all(p.rollout_logprobs is not None for p in packs):
-        out["rollout_logprobs"] = torch.stack([p.rollout_logprobs for p in packs])  # type: ignore[misc]
-    return out
-
-
-def shard_packs(packs: Sequence[Pack], dp_rank: int, dp_size: int) -> list[Pack]:
-    """Rank ``dp_rank``'s packs: every ``dp_size``-th starting at ``dp_rank`` (round-robin spreads the fuller
-    first-fit-decreasing packs over ranks; counts are equal because ``pack_sequences`` pads to a multiple)."""
-    if dp_size <= 0 or not 0 <= dp_rank < dp_size:
-        raise DataError(f"bad dp_rank {dp_rank} / dp_size {dp_size}", field="dp_rank")
-    if len(packs) % dp_size:
-        raise DataError(f"{len(packs)} packs do not split evenly over {dp_size} ranks", field="packs")
-    return list(packs[dp_rank::dp_size])
+def dp_shards(items: Sequence, dp_size: int) -> list[list]:
+    """Items (packs, or values aligned with them) split round-robin over ``dp_size`` ranks: rank r gets items r,
+    r + dp, ... Round-robin spreads the fuller first-fit-decreasing packs over ranks; the counts are equal because
+    ``pack_sequences`` pads the number of packs to a multiple of dp."""
+    return [list(items[rank::dp_size]) for rank in range(dp_size)]
 
 
 def scatter_to_rows(packs: Sequence[Pack], values: Sequence[torch.Tensor], num_rows: int) -> list[list[float]]:

@@ -1,4 +1,4 @@
-"""Resumable, deterministic batch sampler for prompt (RL) and SFT datasets.
+"""Resumable, deterministic batch sampler over a dataset's rows (RL prompts and SFT examples alike).
 
 The index stream is a sequence of epochs; epoch ``e`` visits ``numpy.random.default_rng([seed, e]).permutation(N)``
 (identity order when ``shuffle=False``). Seeding with the pair ``[seed, epoch]`` (a SeedSequence) rather than
@@ -15,20 +15,35 @@ slices are disjoint within a step and together cover the global batch.
 
 The state is plain JSON (``state_dict``); a sampler built with the same arguments and loaded with that state
 continues exactly where the saved one stopped. The same class serves the SFT dataloader (with its own seed).
+``SamplerState`` is the one definition of that state: ``train_state.json`` and the Flyte ``Checkpoint`` type hold it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from rlpipe.errors import ConfigError, DataError
 
-STATE_KEYS = ("epoch", "consumed_in_epoch", "total_consumed", "seed")
+
+@dataclass
+class SamplerState:
+    """Position of an ``EpochSampler`` in its index stream (plain ints, JSON as a dict)."""
+
+    epoch: int = 0
+    consumed_in_epoch: int = 0
+    total_consumed: int = 0
+    seed: int = 0
+    num_examples: int = 0
 
 
-class PromptSampler:
+STATE_KEYS = ("epoch", "consumed_in_epoch", "total_consumed", "seed")  # required; num_examples is optional
+
+
+class EpochSampler:
     """Deterministic index sampler with JSON state; see the module docstring for the stream definition."""
 
     def __init__(
@@ -111,15 +126,13 @@ class PromptSampler:
         k = self.local_batch_size
         return batch[self.dp_rank * k : (self.dp_rank + 1) * k]
 
+    def state(self) -> SamplerState:
+        """The position of the stream; ``num_examples`` is kept to catch a changed dataset."""
+        return SamplerState(self.epoch, self.consumed_in_epoch, self.total_consumed, self.seed, self.num_examples)
+
     def state_dict(self) -> dict[str, Any]:
-        """Plain-JSON position of the stream (ints only); ``num_examples`` is kept to catch a changed dataset."""
-        return {
-            "epoch": self.epoch,
-            "consumed_in_epoch": self.consumed_in_epoch,
-            "total_consumed": self.total_consumed,
-            "seed": self.seed,
-            "num_examples": self.num_examples,
-        }
+        """``state()`` as plain JSON (ints only)."""
+        return dataclasses.asdict(self.state())
 
     def load_state_dict(self, state: Any) -> None:
         """Restore a position saved by ``state_dict``; junk (missing keys, wrong types, out of range) is a DataError.
@@ -127,6 +140,8 @@ class PromptSampler:
         The saved seed replaces the constructor's (the state defines the stream). A saved ``num_examples`` that
         differs from this sampler's means the dataset changed: the permutation would differ, so it is an error.
         """
+        if isinstance(state, SamplerState):
+            state = dataclasses.asdict(state)
         if not isinstance(state, dict):
             raise DataError(f"sampler state must be a dict, got {type(state).__name__}", field="sampler_state")
         missing = [k for k in STATE_KEYS if k not in state]

@@ -5,7 +5,7 @@ serves another version, the policy is published (`publish(version) -> dir`, a co
 then the probe is scored by both sides and compared. A managed server that died is restarted from the last
 published weights, re-verified, and the request retried once; an unmanaged one fails with its error.
 
-With `rollout.max_staleness >= 1` (`rlpipe.pipelined`) a producer thread samples while the driver trains. `lock` is
+With `rollout.max_staleness >= 1` (`rlpipe.loop_async`) a producer thread samples while the driver trains. `lock` is
 held around every generate call and every sync, so weights never change in the middle of a batch. The producer calls
 `generate_served`, which never publishes: publishing is a collective on the training workers, and the driver's thread
 is the only one that calls them (two threads calling the same actors could order the collectives differently on
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from rlpipe.errors import RolloutServerError, WeightSyncError
 from rlpipe.rollout.engine import Generation, SamplingParams
-from rlpipe.rollout.weight_sync import ProbeSequence, check_probe, compare_probe
+from rlpipe.rollout.probe import ProbeSequence, check_probe, compare_probe
 
 Publish = Callable[[int], str | None]  # the serving dir, or None when streamed
 TrainerProbe = Callable[[list[ProbeSequence]], list[list[float]]]
@@ -44,9 +44,9 @@ class SyncStats:
     probe_max_abs_diff: float = 0.0
     restarts: int = 0
 
-    def row(self, version: int | None) -> dict[str, float]:
+    def sync_metrics(self) -> dict[str, float]:
+        """What syncing cost and how close the probe came: the `engine/*` columns of a sync."""
         return {
-            "engine/weight_version": float(-1 if version is None else version),
             "engine/syncs": float(self.syncs),
             "engine/sync_time_s": self.publish_time_s + self.load_time_s + self.verify_time_s,
             # what the trainer waited for the sync (the staged publish overlapped sampling)
@@ -59,6 +59,13 @@ class SyncStats:
             "engine/load_time_s": self.load_time_s,
             "engine/verify_time_s": self.verify_time_s,
             "engine/probe_max_abs_diff": self.probe_max_abs_diff,
+        }
+
+    def row(self, version: int | None) -> dict[str, float]:
+        """`sync_metrics` plus the version served and the restarts: the `engine/*` columns of a rollout."""
+        return {
+            "engine/weight_version": float(-1 if version is None else version),
+            **self.sync_metrics(),
             "engine/restarts": float(self.restarts),
         }
 

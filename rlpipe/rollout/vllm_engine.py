@@ -19,7 +19,7 @@ from rlpipe.errors import RolloutServerError
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.http_json import request_json
 from rlpipe.rollout.openai_engine import OpenAIRolloutEngine
-from rlpipe.rollout.vllm_server import VLLMServer
+from rlpipe.rollout.vllm_process import VLLMServer
 
 
 class VLLMEngine:

@@ -1,6 +1,6 @@
 """TrainingController: starts one TrainingWorker Ray actor per rank in a placement group and fans calls out.
 
-Packs are sharded over data-parallel ranks round-robin (the packer already padded their number to a multiple of dp).
+Packs are split over data-parallel ranks round-robin (`dp_shards`) (the packer already padded their number to a multiple of dp).
 A lost actor or node surfaces as `RecoverableError`, which the Flyte layer turns into a retry that resumes from
 the last complete checkpoint.
 """
@@ -13,43 +13,11 @@ from dataclasses import asdict
 from typing import Any
 
 from rlpipe.config import PipelineConfig
-from rlpipe.data.packing import Pack
+from rlpipe.data.packing import Pack, dp_shards
 from rlpipe.errors import RecoverableError
+from rlpipe.ray_env import ensure_ray, lost_worker_errors
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.train.metrics import FitMetrics, SFTMetrics, merge_worker_metrics
-
-
-def ensure_ray() -> None:
-    """Connect to the Ray cluster of this job (KubeRay sets RAY_ADDRESS) or start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local Ray 2.60 otherwise asks for a token
-    ray.init(
-        address=os.environ.get("RAY_ADDRESS"),
-        ignore_reinit_error=True,
-        include_dashboard=False,
-        log_to_driver=True,
-        runtime_env={
-            "env_vars": {
-                "RAY_AUTH_MODE": "disabled",
-                "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                "TRANSFORMERS_VERBOSITY": "error",
-            }
-        },
-    )
-
-
-def _ray_failures() -> tuple[type[BaseException], ...]:
-    import ray.exceptions as rex
-
-    return tuple(
-        getattr(rex, name)
-        for name in ("RayActorError", "ActorDiedError", "NodeDiedError", "ActorUnavailableError", "WorkerCrashedError")
-        if hasattr(rex, name)
-    )
 
 
 class TrainingController:
@@ -90,7 +58,7 @@ class TrainingController:
 
         try:
             return ray.get(refs)
-        except _ray_failures() as exc:
+        except lost_worker_errors() as exc:
             raise RecoverableError(f"a training worker was lost: {exc}") from exc
 
     def _all(self, method: str, *args: Any) -> list[Any]:
@@ -99,11 +67,6 @@ class TrainingController:
 
     def _per_rank(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
         return self._get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args, strict=True)])
-
-    def shard(self, items: list) -> list[list]:
-        """Round-robin shard over dp ranks (sp ranks of one dp group get the same shard)."""
-        sp = self.cfg.train.sp_size
-        return [items[(rank // sp) :: self.dp_size] for rank in range(self.world_size)]
 
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -125,7 +88,7 @@ class TrainingController:
     def compute_logprobs(self, packs: list[Pack], reference: bool = False, temperature: float | None = None) -> list:
         """Old (or reference) logprobs per pack, in the original pack order; `temperature` overrides the RL scoring
         temperature (policy only)."""
-        shards = self.shard(packs)
+        shards = self._shards(packs)
         if reference:
             results = self._per_rank("compute_ref_logprobs", [(s,) for s in shards])
         else:
@@ -137,14 +100,14 @@ class TrainingController:
         packs, steps = [[] for _ in self.workers], [[] for _ in self.workers]
         olds, refs = [[] for _ in self.workers], [[] for _ in self.workers]
         for j, mb in enumerate(minibatches):
-            for rank, shard in enumerate(self.shard(mb)):
+            for rank, shard in enumerate(self._shards(mb)):
                 packs[rank] += shard
                 steps[rank].append(len(shard))
             if old is not None:
-                for rank, shard in enumerate(self.shard(old[j])):
+                for rank, shard in enumerate(self._shards(old[j])):
                     olds[rank] += shard
             if ref is not None:
-                for rank, shard in enumerate(self.shard(ref[j])):
+                for rank, shard in enumerate(self._shards(ref[j])):
                     refs[rank] += shard
         args = [
             (packs[r], steps[r], iteration, total_steps, olds[r] if old is not None else None,
@@ -154,7 +117,7 @@ class TrainingController:
         return merge_worker_metrics(self._per_rank("fit", args))
 
     def fit_sft(self, packs: list[Pack], total_steps: int) -> SFTMetrics:
-        shards = self.shard(packs)
+        shards = self._shards(packs)
         results: list[SFTMetrics] = self._per_rank("fit_sft", [(s, total_steps) for s in shards])
         merged = results[0]
         merged.step_time_s = max(r.step_time_s for r in results)
@@ -170,7 +133,7 @@ class TrainingController:
         if worker_states is None:
             self._all("load", weights_dir, None)
             return
-        from rlpipe.train.checkpoint import worker_states_for
+        from rlpipe.train.checkpoint_io import worker_states_for
 
         states = worker_states_for(worker_states, self.world_size, where=os.path.dirname(weights_dir.rstrip("/")))
         self._per_rank("load", [(weights_dir, s) for s in states])
@@ -193,12 +156,16 @@ class TrainingController:
     def weights_digest(self) -> str:
         return self._all("weights_digest")[0]
 
+    def _shards(self, items: list) -> list[list]:
+        """One shard per rank (`rlpipe.data.packing.dp_shards`)."""
+        return dp_shards(items, self.dp_size)
+
     def _unshard(self, results: list[list], total: int) -> list:
+        """Inverse of `dp_shards`: per-rank results back in the original order."""
         out: list = [None] * total
-        for rank in range(0, self.world_size, self.cfg.train.sp_size):
-            dp_rank = rank // self.cfg.train.sp_size
+        for rank in range(self.world_size):
             for j, value in enumerate(results[rank]):
-                out[dp_rank + j * self.dp_size] = value
+                out[rank + j * self.dp_size] = value
         return out
 
     def shutdown(self) -> None:

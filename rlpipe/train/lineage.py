@@ -16,6 +16,7 @@ import json
 import os
 import posixpath
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -302,11 +303,14 @@ class LineageChain:
         return self.entries[i].manifest
 
 
-def lineage_chain(path_or_uri: str | os.PathLike[str], max_depth: int = 1000) -> LineageChain:
+def lineage_chain(
+    path_or_uri: str | os.PathLike[str], max_depth: int = 1000, until: Callable[[str], bool] | None = None
+) -> LineageChain:
     """Follow ``parent`` links from a checkpoint; never raises for ancestors.
 
     The starting checkpoint must be readable (else CheckpointError). An unreadable parent sets ``missing_parent``
-    and ``note``; a cycle or ``max_depth`` stops the walk with a ``note``.
+    and ``note``; a cycle or ``max_depth`` stops the walk with a ``note``. ``until(location)`` True stops the walk
+    before that parent is read (it is not in the chain).
     """
     loc = _split_manifest_location(os.fspath(path_or_uri))[0]
     chain = LineageChain(entries=[LineageEntry(loc, read_manifest(loc))])
@@ -316,6 +320,8 @@ def lineage_chain(path_or_uri: str | os.PathLike[str], max_depth: int = 1000) ->
         if parent is None:
             return chain
         ploc = resolve_parent(chain.entries[-1].location, parent)
+        if until is not None and until(ploc):
+            return chain
         if _norm(ploc) in seen:
             chain.note = f"cycle: parent {ploc} already appears in the chain"
             return chain

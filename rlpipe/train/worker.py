@@ -26,8 +26,7 @@ from rlpipe.models.loading import empty_model, load_model
 from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.hf_engine import HFRolloutEngine
-from rlpipe.rollout.weight_sync import serving_state_dict, write_serving_dir
-from rlpipe.train import checkpoint as ckpt
+from rlpipe.train import checkpoint_io as ckpt
 from rlpipe.train.distributed import (
     all_reduce_grads,
     all_reduce_sum,
@@ -53,9 +52,10 @@ from rlpipe.train.policy import (
     shard_policy,
     shard_reference,
 )
+from rlpipe.train.worker_serving import ServingExport
 
 
-class TrainingWorker:
+class TrainingWorker(ServingExport):
     """One training rank. Constructed by the controller with its rank and the rendezvous address."""
 
     def __init__(self, cfg_json: str, model_dir: str, rank: int, world_size: int):
@@ -79,7 +79,7 @@ class TrainingWorker:
         """Join the process group, build the sharded policy, optimizer and (if KL is on) the reference model."""
         _seed_everything(self.cfg.train.seed + self.rank, self.cfg.train.deterministic)
         init_process_group(self.rank, self.world_size, master_addr, master_port, backend_for(self.device))
-        self.mesh = _data_mesh(self.device, self.world_size, self.cfg.train.sp_size)
+        self.mesh = _data_mesh(self.device, self.world_size)
         self.policy = self._build_policy(self.model_dir)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.train, self.device.type)
         self.ref = self._build_reference() if self.cfg.algo.use_kl_loss else None
@@ -393,62 +393,6 @@ class TrainingWorker:
             copy_weights_into(export, state)
             export.save_pretrained(out_dir, safe_serialization=True)
 
-    def export_serving(self, root: str, version: int) -> str | None:
-        """Publish the policy for a server engine: a complete HF dir under `root` (a collective; rank 0 writes).
-
-        The LM head is written explicitly even when tied (`serving_state_dict` says why)."""
-        state = full_hf_state_dict(self.policy)
-        if self.rank != 0:
-            return None
-        hf = self.policy.hf
-        names = {id(module): name for name, module in hf.named_modules()}
-        embed, head = names.get(id(hf.get_input_embeddings())), names.get(id(hf.get_output_embeddings()))
-        state = serving_state_dict(state, embed and f"{embed}.weight", head and f"{head}.weight")
-        return str(write_serving_dir(state, self.model_dir, root, version))
-
-    def _serving_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """(HF name, parameter) of every weight a server loads, the LM head listed even when tied."""
-        hf = self.policy.hf
-        pairs = [(name.removeprefix("hf."), p) for name, p in self.policy.named_parameters()]
-        names = {id(module): name for name, module in hf.named_modules()}
-        head = names.get(id(hf.get_output_embeddings()))
-        if head and all(n != f"{head}.weight" for n, _ in pairs):
-            pairs.append((f"{head}.weight", hf.get_output_embeddings().weight))
-        return pairs
-
-    def init_weight_transfer(self, base_url: str, inference_world_size: int) -> tuple[str, int] | None:
-        """Rank 0 joins the server's NCCL weight-transfer group (GPU path; see rlpipe.rollout.nccl_transfer)."""
-        if self.rank != 0:
-            return None
-        from concurrent.futures import ThreadPoolExecutor
-
-        import ray
-
-        from rlpipe.rollout.http_json import request_json
-        from rlpipe.rollout.nccl_transfer import NCCLWeightSender, init_info, open_vllm_communicator
-
-        addr, port = ray.util.get_node_ip_address(), free_port()
-        body = {"init_info": init_info(addr, port, inference_world_size)}
-        with ThreadPoolExecutor(max_workers=1) as pool:  # both sides block in the rendezvous
-            answer = pool.submit(request_json, base_url.rstrip("/") + "/init_weight_transfer_engine", body)
-            communicator = open_vllm_communicator(addr, port, 1 + inference_world_size)
-            answer.result()
-        self._weight_sender = NCCLWeightSender(base_url, communicator)
-        return addr, port
-
-    def send_weights_nccl(self, version: int, bucket_bytes: int) -> int:
-        """Stream the policy to the server in buckets (a collective: under FSDP2 every rank gathers each bucket)."""
-        from rlpipe.rollout.nccl_transfer import iter_buckets
-
-        def materialize(t: torch.Tensor) -> torch.Tensor:
-            return t.full_tensor().detach() if hasattr(t, "full_tensor") else t.detach()
-
-        buckets = iter_buckets(self._serving_parameters(), bucket_bytes, materialize)
-        with torch.no_grad():
-            if self.rank != 0:
-                return sum(len(b) for b in buckets)  # join the gathers rank 0's buckets need
-            return self._weight_sender.send(buckets, version)
-
     def weights_digest(self) -> str:
         """sha256 of the full weights (a collective): resume/determinism tests compare runs with it."""
         import hashlib
@@ -464,10 +408,11 @@ class TrainingWorker:
             dist.destroy_process_group()
 
 
-def _data_mesh(device: torch.device, world_size: int, sp_size: int):
+def _data_mesh(device: torch.device, world_size: int):
+    """The data-parallel mesh FSDP2 shards over (every rank is one dp rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
 def _global_counts(packs: list[Pack], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,21 +79,21 @@ def one_segment(config: str, model: FlyteDirectory, k: int) -> Checkpoint:
 def test_segment_retry_after_lost_actor_resumes_from_last_checkpoint(tmp_path, monkeypatch):
     import ray.exceptions
 
-    from rlpipe import pipeline
+    from rlpipe import loop
     from rlpipe.train.checkpoint import list_checkpoints
     from tasks.phases import base_model, resolve_config
 
     config = resolve_config(overrides=_overrides(tmp_path, "retry", iterations=3, **{"checkpoint.every": 1}))
     model = base_model(config=config)
-    real_step, calls = pipeline.iteration_step, []
+    real_step, calls = loop.iteration_step, []
 
     def flaky_step(session, log=print):
-        calls.append(session.state.iteration + 1)
+        calls.append(session.counters.iteration + 1)
         if len(calls) == 3:  # the third iteration loses a worker, after iterations 1 and 2 were checkpointed
             raise ray.exceptions.ActorDiedError()
         return real_step(session, log)
 
-    monkeypatch.setattr(pipeline, "iteration_step", flaky_step)
+    monkeypatch.setattr(loop, "iteration_step", flaky_step)
     with pytest.raises(Exception) as info:
         one_segment(config=config, model=model, k=3)
     chain, exc = [], info.value

@@ -1,7 +1,7 @@
 """The workflows compile for a remote cluster, offline: `pyflyte package` and `pyflyte register --dry-run`.
 
 Asserts what the cluster will receive: the RayJob spec (CPU-only head with num-cpus 0, one worker group with
-requests == limits from rlpipe.deploy, shutdown after the job with a TTL), retries/timeouts/caching, Artifact
+requests == limits from images.deploy, shutdown after the job with a TTL), retries/timeouts/caching, Artifact
 partitions on the outputs, the ImageSpec names, and the nightly cron with its skip-overlap concurrency policy.
 """
 
@@ -68,7 +68,7 @@ def test_package_contains_every_task_workflow_and_launch_plan(package):
 
 @pytest.mark.parametrize("name", ["tasks.segment.rl_segment", "tasks.phases.train", "tasks.phases.rollout"])
 def test_ray_job_spec(package, name):
-    from rlpipe.deploy import CPU_WORKER, HEAD_RESOURCES
+    from images.deploy import CPU_WORKER, HEAD_RESOURCES
 
     template = _task(package, name)
     assert template["type"] == "ray"
@@ -102,7 +102,7 @@ def test_retries_timeouts_cache_and_decks(package):
 
 
 def test_images_are_the_deployment_images(package):
-    from rlpipe.deploy import CPU_IMAGE
+    from images.deploy import CPU_IMAGE
 
     for stem, entity in package.items():
         if stem.endswith("_1"):

@@ -30,7 +30,7 @@ def isolated_home(tmp_path, monkeypatch):
 
 
 def test_gpu_ray_job_config_matches_deploy_constants():
-    from rlpipe.deploy import GPU_HEAD, GPU_WORKER, HEAD_RESOURCES
+    from images.deploy import GPU_HEAD, GPU_WORKER, HEAD_RESOURCES
     from tasks.ray_config import ray_job_config
 
     cfg = ray_job_config("gpu")
@@ -81,8 +81,8 @@ def test_image_specs_pin_exactly_the_pyproject_dependencies():
 
 
 def test_image_names_are_the_deploy_images():
+    from images.deploy import CPU_IMAGE, GPU_IMAGE
     from images.specs import CPU_IMAGE_SPEC, GPU_IMAGE_SPEC, image_spec
-    from rlpipe.deploy import CPU_IMAGE, GPU_IMAGE
 
     assert CPU_IMAGE_SPEC.image_name() == CPU_IMAGE and GPU_IMAGE_SPEC.image_name() == GPU_IMAGE
     with pytest.raises(ValueError):
@@ -148,7 +148,7 @@ def test_checkpoint_transformer_is_the_stock_dataclass_one_built_once(tmp_path, 
     from flytekit.core.type_engine import DataclassTransformer, TypeEngine
     from flytekit.types.directory import FlyteDirectory
 
-    from tasks.types import Checkpoint, CheckpointTransformer, SamplerState, SFTLoaderState
+    from tasks.types import Checkpoint, CheckpointTransformer, SamplerState
 
     transformer = TypeEngine.get_transformer(Annotated[Checkpoint, CheckpointArtifact()])
     assert isinstance(transformer, CheckpointTransformer)
@@ -168,11 +168,11 @@ def test_checkpoint_transformer_is_the_stock_dataclass_one_built_once(tmp_path, 
     ckpt_dir = tmp_path / "step-000003"
     ckpt_dir.mkdir()
     value = Checkpoint(path=FlyteDirectory(str(ckpt_dir)), uri="s3://b/e/step-000003", experiment="e", step=3,
-                       iteration=3, sampler=SamplerState(epoch=1, total_consumed=24), sft_loader=SFTLoaderState())  # fmt: skip
+                       iteration=3, sampler=SamplerState(epoch=1, total_consumed=24), sft_sampler=SamplerState())  # fmt: skip
     ctx = FlyteContextManager.current_context()
     lit = TypeEngine.to_literal(ctx, value, Checkpoint | None, TypeEngine.to_literal_type(Checkpoint | None))
     back = TypeEngine.to_python_value(ctx, lit, Checkpoint | None)
-    assert (back.uri, back.step, back.sampler, back.sft_loader) == (value.uri, 3, value.sampler, SFTLoaderState())
+    assert (back.uri, back.step, back.sampler, back.sft_sampler) == (value.uri, 3, value.sampler, SamplerState())
     none = TypeEngine.to_literal(ctx, None, Checkpoint | None, TypeEngine.to_literal_type(Checkpoint | None))
     assert TypeEngine.to_python_value(ctx, none, Checkpoint | None) is None
 

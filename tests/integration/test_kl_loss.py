@@ -12,7 +12,7 @@ import torch
 from rlpipe.base_model import prepare_base_model
 from rlpipe.config import load_config
 from rlpipe.data.packing import SequenceItem
-from rlpipe.pipeline import run_segment
+from rlpipe.loop import run_segment
 from rlpipe.session import RLSession
 
 from ..conftest import tiny_overrides

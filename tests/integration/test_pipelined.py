@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlpipe.config import load_config
-from rlpipe.pipeline import run_segment
+from rlpipe.loop import run_segment
 
 from ..conftest import tiny_overrides
 
@@ -70,7 +70,7 @@ def inproc_engine(monkeypatch):
         engines.append(InProcessEngine(eos_token_id, load_tokenizer(model_dir).pad_token_id))
         return engines[-1]
 
-    monkeypatch.setattr("rlpipe.serving._vllm_engine", build)
+    monkeypatch.setattr("rlpipe.rollout.sources._vllm_engine", build)
     torch.set_num_threads(1)
     return engines
 
@@ -109,7 +109,7 @@ def _killed_and_resumed(root):
     with pytest.raises(Killed):
         run_segment(cfg, None, 6, on_iteration=die_after_4)
     resume = latest_checkpoint(cfg.checkpoint.root, cfg.experiment)
-    assert resume is not None and load_train_state(resume).iteration == 3
+    assert resume is not None and load_train_state(resume).counters.iteration == 3
     assert [e["iteration"] for e in load_train_state(resume).extra["pending_rollouts"]] == [4]
     result = run_segment(cfg, str(resume), 6)
     return rows[:3] + result.metrics, result.checkpoint
@@ -148,5 +148,9 @@ def test_k1_staleness_from_logged_versions_mismatch_and_resume_parity(tmp_path, 
 
     for ck in (ckpt_a, ckpt_b):  # the run's end: nothing sampled beyond `iterations`
         state = load_train_state(ck)
-        assert state.iteration == 6 and state.consumed_samples == 6 * 8 and state.extra["pending_rollouts"] == []
-    assert load_train_state(ckpt_a).sampler_state == load_train_state(ckpt_b).sampler_state
+        assert (
+            state.counters.iteration == 6
+            and state.counters.consumed_prompts == 6 * 8
+            and state.extra["pending_rollouts"] == []
+        )
+    assert load_train_state(ckpt_a).sampler == load_train_state(ckpt_b).sampler

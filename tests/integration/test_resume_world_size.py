@@ -17,10 +17,11 @@ import torch
 
 from rlpipe.base_model import prepare_base_model
 from rlpipe.config import TrainConfig, load_config
-from rlpipe.data.sampler import PromptSampler
-from rlpipe.pipeline import iteration_step, run_segment
-from rlpipe.session import LoopState, RLSession
+from rlpipe.data.sampler import EpochSampler
+from rlpipe.loop import iteration_step, run_segment
+from rlpipe.session import RLSession
 from rlpipe.train import checkpoint as ckpt
+from rlpipe.train.checkpoint import Counters
 from rlpipe.train.lineage import lineage_chain, read_manifest
 
 from ..conftest import tiny_overrides
@@ -39,18 +40,18 @@ def _quiet(_msg: str) -> None:
 
 
 class _Draws(list):
-    """Every batch a PromptSampler draws in the driver, as (sampler seed, indices): the prompt sampler has seed
+    """Every batch a EpochSampler draws in the driver, as (sampler seed, indices): the prompt sampler has seed
     data.seed=0, the SFT sampler train.seed + 1 = 1."""
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        original = PromptSampler.next_batch
+        original = EpochSampler.next_batch
 
-        def recording(sampler: PromptSampler) -> list[int]:
+        def recording(sampler: EpochSampler) -> list[int]:
             batch = original(sampler)
             self.append((sampler.seed, [int(i) for i in batch]))
             return batch
 
-        monkeypatch.setattr(PromptSampler, "next_batch", recording)
+        monkeypatch.setattr(EpochSampler, "next_batch", recording)
 
 
 def _dcp_state(weights_dir: Path, tmp: Path) -> dict:
@@ -101,7 +102,7 @@ def test_resume_2_to_1_to_2_draws_the_same_data_and_continues_counters_and_lr(ru
     assert rows[-1]["lr"] == pytest.approx(TrainConfig().lr * 5 / 10)  # RL step 4 (0-based) of iteration 3
 
     want, got = ckpt.load_train_state(straight.checkpoint), ckpt.load_train_state(hop[-1].checkpoint)
-    for field in ("step", "iteration", "epoch", "consumed_samples", "sampler_state", "sft_loader_state", "extra"):
+    for field in ("counters", "sampler", "sft_sampler", "extra"):
         assert getattr(got, field) == getattr(want, field), field
     assert [len(ckpt.load_train_state(s.checkpoint).worker_states) for s in hop] == [2, 1, 2]
     assert {w["optimizer_step"] for w in got.worker_states} == {6}
@@ -120,7 +121,7 @@ def test_init_from_starts_a_new_stage_from_the_weights_only(runs, monkeypatch, t
     session = RLSession(cfg, prepare_base_model(cfg), None, log=_quiet)
     try:
         assert session.controller.weights_digest() == _digest(_dcp_state(Path(source) / "weights", tmp_path)["model"])
-        assert session.state == LoopState()
+        assert session.counters == Counters()
         row = iteration_step(session)
         path = session.save("segment", row)
     finally:
@@ -131,7 +132,7 @@ def test_init_from_starts_a_new_stage_from_the_weights_only(runs, monkeypatch, t
     assert row["lr"] == first["lr"] and row["sft/lr"] == first["sft/lr"]  # the schedule restarts at step 0
 
     state = ckpt.load_train_state(path)
-    assert (state.step, state.iteration, state.consumed_samples) == (2, 1, 4)
+    assert (state.counters.step, state.counters.iteration, state.counters.consumed_prompts) == (2, 1, 4)
     optim = _dcp_state(Path(path) / "weights", tmp_path)["optim"]["state"]
     assert {float(entry["step"]) for entry in optim.values()} == {2.0}  # a fresh AdamW (1 RL + 1 SFT step), not 6 + 2
     manifest = read_manifest(path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlpipe.config import load_config
-from rlpipe.pipeline import run_segment
+from rlpipe.loop import run_segment
 
 from ..conftest import tiny_overrides
 

@@ -10,7 +10,7 @@ import torch
 from rlpipe.base_model import prepare_base_model
 from rlpipe.config import load_config
 from rlpipe.data.packing import SequenceItem, pack_sequences
-from rlpipe.pipeline import run_segment
+from rlpipe.loop import run_segment
 from rlpipe.train.controller import TrainingController
 
 from ..conftest import tiny_overrides

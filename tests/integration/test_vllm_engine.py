@@ -49,7 +49,7 @@ def _server_pid(lines: list[str]) -> int:
 
 
 def test_grpo_on_vllm_is_on_policy_every_iteration_learns_and_survives_a_server_kill(tmp_path, ray_session):
-    from rlpipe.pipeline import run_segment
+    from rlpipe.loop import run_segment
     from rlpipe.train import checkpoint as ckpt
     from rlpipe.train.lineage import read_manifest
 
@@ -97,7 +97,7 @@ def test_grpo_on_vllm_is_on_policy_every_iteration_learns_and_survives_a_server_
 def external_server(tmp_path_factory):
     """A vLLM server rlpipe did not start (rollout.server_url), on the tiny default base model."""
     from rlpipe.base_model import prepare_base_model
-    from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, cpu_server_args
+    from rlpipe.rollout.vllm_process import VLLMServer, VLLMServerSpec, cpu_server_args
 
     tmp = tmp_path_factory.mktemp("ext")
     cfg = _vllm_config(tmp)
@@ -114,7 +114,7 @@ def test_a_partial_sync_is_detected_and_a_dead_server_fails_cleanly(external_ser
     from safetensors.torch import load_file, save_file
 
     from rlpipe.errors import RolloutServerError, WeightSyncError
-    from rlpipe.pipeline import iteration_step
+    from rlpipe.loop import iteration_step
     from rlpipe.session import RLSession
     from rlpipe.train import checkpoint as ckpt
 
@@ -126,7 +126,7 @@ def test_a_partial_sync_is_detected_and_a_dead_server_fails_cleanly(external_ser
     try:
         iteration_step(session)  # a correct sync
         first_ckpt = session.save("segment")
-        publish = session.engine_sync.publish
+        publish = session.rollout_source.sync.publish
 
         def publish_without_lm_head(version):
             """What a plain HF export of a tied model gives: no lm_head.weight, so vLLM keeps its old head."""
@@ -137,7 +137,7 @@ def test_a_partial_sync_is_detected_and_a_dead_server_fails_cleanly(external_ser
             save_file(state, weights, metadata={"format": "pt"})
             return path
 
-        session.engine_sync.publish = publish_without_lm_head
+        session.rollout_source.sync.publish = publish_without_lm_head
         with pytest.raises(WeightSyncError, match=r"vllm http://127\.0\.0\.1:\d+ .*version 1: max \|logprob diff"):
             iteration_step(session)
 
@@ -147,11 +147,11 @@ def test_a_partial_sync_is_detected_and_a_dead_server_fails_cleanly(external_ser
             weights.write_bytes(weights.read_bytes()[:1000])
             return path
 
-        session.engine_sync.publish = publish_truncated
+        session.rollout_source.sync.publish = publish_truncated
         with pytest.raises(RolloutServerError):
             iteration_step(session)
 
-        session.engine_sync.publish = publish
+        session.rollout_source.sync.publish = publish
         server.stop()  # the server dies; rlpipe does not own it, so the run must stop with a clear error
         with pytest.raises(RolloutServerError, match=r"127\.0\.0\.1"):
             iteration_step(session)

@@ -24,7 +24,7 @@ if not Path(VLLM_PYTHON).is_file():
 
 def test_k1_on_vllm_stays_within_staleness_logs_the_gap_and_keeps_learning(tmp_path, ray_session):
     from rlpipe.config import load_config
-    from rlpipe.pipeline import run_segment
+    from rlpipe.loop import run_segment
 
     cfg = load_config(overrides=tiny_overrides(tmp_path, **{
         "rollout.engine": "vllm", "rollout.vllm.python": VLLM_PYTHON, "rollout.max_staleness": 1,

@@ -1,4 +1,4 @@
-"""The manifests, rlpipe/deploy.py, the Flyte tasks' RayJobConfig and the configs agree (image, resources, Ray
+"""The manifests, images/deploy.py, the Flyte tasks' RayJobConfig and the configs agree (image, resources, Ray
 version, namespaces), and what an overlay runs fits its own ResourceQuota and LimitRange."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import yaml
 from k8s_objects import K8S, RAY_KINDS, REPO, all_pod_templates, cluster_spec, one, parse_quantity
 
 import rlpipe
-from rlpipe.deploy import GPU_RESOURCE, PROFILES, RAY_VERSION, RayGroupShape, profile
+from images.deploy import GPU_RESOURCE, PROFILES, RAY_VERSION, RayGroupShape, profile
 from rlpipe.errors import ConfigError
 
 KINDS = sorted(PROFILES)

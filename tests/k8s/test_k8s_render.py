@@ -12,7 +12,7 @@ import yaml
 from k8s_objects import K8S, kustomization_dirs
 from kustomize_render import KustomizeError, json6902, render, split_image, strategic_merge
 
-from rlpipe.deploy import PROFILES
+from images.deploy import PROFILES
 
 
 def _write(root, files: dict[str, str]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from k8s_objects import K8S, REPO, all_pod_templates
 
-from rlpipe.deploy import SERVICE_ACCOUNT
+from images.deploy import SERVICE_ACCOUNT
 
 CREDENTIAL_NAME = re.compile(r"(^|_)(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIALS?|AUTH|APIKEY)(_|$)", re.I)
 CREDENTIAL_VALUE = [

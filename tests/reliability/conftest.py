@@ -36,14 +36,15 @@ def base_model_dir(shared_out) -> str:
 def fake_checkpoint(tmp_path, base_model_dir):
     """A complete checkpoint written with the real checkpoint pieces but without Ray (a DCP save of a Linear)."""
     from rlpipe.train import checkpoint as ckpt
+    from rlpipe.train import checkpoint_io as cio
     from rlpipe.train.lineage import BaseModelRef, build_manifest, model_fingerprint
 
     root = tmp_path / "ckpt"
     tmp = ckpt.begin_checkpoint(root, "exp", 3)
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4)
-    ckpt.save_dcp(layer, torch.optim.AdamW(layer.parameters()), tmp / ckpt.WEIGHTS_DIR)
-    ckpt.write_train_state(tmp, ckpt.TrainState(step=3, iteration=3, rng_states=[ckpt.capture_rng_state()]))
+    cio.save_dcp(layer, torch.optim.AdamW(layer.parameters()), tmp / ckpt.WEIGHTS_DIR)
+    ckpt.write_train_state(tmp, ckpt.TrainState(step=3, iteration=3, rng_states=[cio.capture_rng_state()]))
     ckpt.write_config(tmp, {"experiment": "exp"})
     manifest = build_manifest(
         experiment="exp",

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rlpipe import cli
+from rlpipe.data.builtin_tasks import write_task_dataset
 from rlpipe.data.datasets import PromptExample
 from rlpipe.data.packing import SequenceItem, pack_sequences
-from rlpipe.data.tasks import write_task_dataset
 from rlpipe.errors import ConfigError, DataError
 from rlpipe.rollout.batch import build_rollout_batch, score_generations
 from rlpipe.rollout.engine import Generation
@@ -169,7 +169,8 @@ def test_non_finite_reward_from_a_judge_is_a_data_error(bad):
 def test_all_groups_filtered_out_skips_the_update_and_logs_it():
     """Uniform rewards + filter_uniform_groups: the batch is empty; the session logs, counts the iteration as
     done (so the run moves on) and never calls the trainer."""
-    from rlpipe.session import LoopState, RLSession
+    from rlpipe.session import RLSession
+    from rlpipe.train.checkpoint import Counters
 
     rewards = np.ones(8, dtype=np.float32)
     batch, stats = build_rollout_batch(_examples(2), _gens(2, 4), ["x"] * 8, rewards, 4, "grpo", None, True)
@@ -181,10 +182,10 @@ def test_all_groups_filtered_out_skips_the_update_and_logs_it():
 
     logs: list[str] = []
     fake = type("S", (), {})()
-    fake.state, fake.log, fake.controller = LoopState(iteration=4), logs.append, NoTrainer()
+    fake.counters, fake.log, fake.controller = Counters(iteration=4), logs.append, NoTrainer()
     metrics = RLSession.train(fake, batch)
     assert metrics == {"skipped_iteration": 1.0}
-    assert fake.state.iteration == 5 and fake.state.optimizer_step == 0
+    assert fake.counters.iteration == 5 and fake.counters.step == 0
     assert any("filtered out" in m and "iteration 5" in m for m in logs)
     kept, _ = build_rollout_batch(_examples(2), _gens(2, 4), ["x"] * 8, rewards, 4, "grpo", None, False)
     assert len(kept) == 8 and np.allclose(kept["advantage"], 0.0)  # without the filter: kept, zero advantage

@@ -108,16 +108,17 @@ def test_no_flytekit_under_rlpipe():
 
 
 def test_train_and_sampler_state_are_plain_json(tmp_path):
-    from rlpipe.data.sampler import PromptSampler
+    from rlpipe.data.sampler import EpochSampler
     from rlpipe.train import checkpoint as ckpt
+    from rlpipe.train import checkpoint_io as cio
 
-    sampler = PromptSampler(10, 4, seed=3)
+    sampler = EpochSampler(10, 4, seed=3)
     sampler.next_batch()
-    state = ckpt.TrainState(step=1, iteration=1, sampler_state=sampler.state_dict(),
-                            rng_states=[ckpt.capture_rng_state()])  # fmt: skip
+    state = ckpt.TrainState(counters=ckpt.Counters(step=1, iteration=1), sampler=sampler.state(),
+                            rng_states=[cio.capture_rng_state()])  # fmt: skip
     path = ckpt.write_train_state(tmp_path, state)
     raw = json.loads(path.read_text())  # strict JSON: would fail on NaN/bytes/objects
-    assert raw["sampler_state"] == sampler.state_dict()
+    assert raw["sampler"] == sampler.state_dict()
     assert ckpt.load_train_state(tmp_path) == state
 
 

@@ -18,9 +18,9 @@ def test_unknown_field_is_rejected_with_its_path(tmp_path):
         load_config(path)
 
 
-def test_world_size_not_divisible_by_sp():
-    with pytest.raises(ConfigError, match="not divisible"):
-        load_config(overrides={"train.world_size": 3, "train.sp_size": 2})
+def test_prompts_per_step_must_split_over_the_ranks():
+    with pytest.raises(ConfigError, match="multiple of the data-parallel size"):
+        load_config(overrides={"train.world_size": 3})
 
 
 def test_sft_enabled_without_any_data():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlpipe.pipeline import progress_line
+from rlpipe.loop import progress_line
 
 
 def test_progress_line_shows_iteration_and_reward():

@@ -10,13 +10,12 @@ import torch
 from rlpipe.data.packing import (
     IGNORE_INDEX,
     SequenceItem,
+    dp_shards,
     efficient_attn_ratio,
     pack_sequences,
     pad_pack_to_length,
     pad_sequences,
     scatter_to_rows,
-    shard_packs,
-    stack_packs,
 )
 from rlpipe.errors import DataError
 
@@ -127,7 +126,7 @@ def test_dp_padding_and_sharding(dp_size: int) -> None:
         assert dummy.num_tokens == 0 and dummy.num_label_tokens == 0 and dummy.length == 16
         assert (dummy.seq_index == -1).all() and dummy.cu_seq_lens.tolist() == [0, 16]
         assert dummy.rollout_logprobs is not None
-    shards = [shard_packs(packs, r, dp_size) for r in range(dp_size)]
+    shards = dp_shards(packs, dp_size)
     assert len({len(s) for s in shards}) == 1
     assert sorted(id(p) for s in shards for p in s) == sorted(id(p) for p in packs)
 
@@ -176,8 +175,6 @@ def test_padded_baseline_same_layout_and_stack() -> None:
         torch.testing.assert_close(pack.advantages[:n], torch.tensor(adv, dtype=torch.float32))
         assert pack.rollout_logprobs is None
         assert (pack.shifted_labels[n:] == IGNORE_INDEX).all()
-    stacked = stack_packs(padded)
-    assert stacked["input_ids"].shape == (8, longest) and "rollout_logprobs" not in stacked
     with pytest.raises(DataError):
         pad_sequences([SequenceItem([1] * 5, [2], row=0)], PAD, max_length=4)
 
@@ -202,8 +199,6 @@ def test_pad_pack_to_length() -> None:
     assert more.cu_seq_lens.tolist()[:-1] == full.cu_seq_lens.tolist()[:-1] and int(more.cu_seq_lens[-1]) == 44
     pad_start = int(full.cu_seq_lens[-2])
     assert more.position_ids[pad_start:].tolist() == list(range(44 - pad_start))
-    with pytest.raises(DataError):
-        stack_packs([tight, full])
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 3])

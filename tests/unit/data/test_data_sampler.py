@@ -1,4 +1,4 @@
-"""PromptSampler: determinism, epoch semantics, dp sharding, JSON resume and state validation."""
+"""EpochSampler: determinism, epoch semantics, dp sharding, JSON resume and state validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rlpipe.data.sampler import PromptSampler
+from rlpipe.data.sampler import EpochSampler
 from rlpipe.errors import ConfigError, DataError
 
 
@@ -33,51 +33,51 @@ def naive_stream(n: int, b: int, seed: int, steps: int, drop_last: bool, shuffle
 @pytest.mark.parametrize("drop_last", [True, False])
 @pytest.mark.parametrize(("n", "b"), [(10, 3), (12, 4), (7, 7), (5, 2)])
 def test_matches_naive_stream(n: int, b: int, drop_last: bool) -> None:
-    s = PromptSampler(n, b, seed=3, drop_last=drop_last)
+    s = EpochSampler(n, b, seed=3, drop_last=drop_last)
     got = [s.next_batch() for _ in range(9)]
     assert got == naive_stream(n, b, 3, 9, drop_last)
     assert s.state_dict()["total_consumed"] == 9 * b
 
 
 def test_deterministic_and_seed_dependent() -> None:
-    a = [PromptSampler(50, 8, seed=1).next_batch() for _ in range(1)]
-    b = [PromptSampler(50, 8, seed=1).next_batch() for _ in range(1)]
-    c = [PromptSampler(50, 8, seed=2).next_batch() for _ in range(1)]
+    a = [EpochSampler(50, 8, seed=1).next_batch() for _ in range(1)]
+    b = [EpochSampler(50, 8, seed=1).next_batch() for _ in range(1)]
+    c = [EpochSampler(50, 8, seed=2).next_batch() for _ in range(1)]
     assert a == b and a != c
     # [seed, epoch] seeding: seed 0 epoch 1 differs from seed 1 epoch 0
-    assert PromptSampler(50, 8, seed=0).epoch_permutation(1) != PromptSampler(50, 8, seed=1).epoch_permutation(0)
-    assert PromptSampler(6, 2, seed=0, shuffle=False).next_batch() == [0, 1]
+    assert EpochSampler(50, 8, seed=0).epoch_permutation(1) != EpochSampler(50, 8, seed=1).epoch_permutation(0)
+    assert EpochSampler(6, 2, seed=0, shuffle=False).next_batch() == [0, 1]
 
 
 def test_epoch_coverage() -> None:
-    s = PromptSampler(10, 5, seed=0)
+    s = EpochSampler(10, 5, seed=0)
     first, second = s.next_batch(), s.next_batch()
     assert sorted(first + second) == list(range(10))
     assert s.state_dict()["epoch"] == 1 and s.state_dict()["consumed_in_epoch"] == 0
     # drop_last=False: batch crosses the boundary, each epoch still covers everything once
-    t = PromptSampler(10, 4, seed=0, drop_last=False)
+    t = EpochSampler(10, 4, seed=0, drop_last=False)
     flat = [i for _ in range(5) for i in t.next_batch()]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
 
 
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_resume_continues_exactly(drop_last: bool) -> None:
-    ref = PromptSampler(11, 4, seed=7, drop_last=drop_last)
+    ref = EpochSampler(11, 4, seed=7, drop_last=drop_last)
     uninterrupted = [ref.next_batch() for _ in range(6)]
-    s = PromptSampler(11, 4, seed=7, drop_last=drop_last)
+    s = EpochSampler(11, 4, seed=7, drop_last=drop_last)
     for _ in range(3):
         s.next_batch()
     saved = json.dumps(s.state_dict())  # must be plain JSON
-    resumed = PromptSampler(11, 4, seed=7, drop_last=drop_last)
+    resumed = EpochSampler(11, 4, seed=7, drop_last=drop_last)
     resumed.load_state_dict(json.loads(saved))
     assert [resumed.next_batch() for _ in range(3)] == uninterrupted[3:]
     assert resumed.state_dict() == ref.state_dict()
 
 
 def test_loaded_seed_defines_stream() -> None:
-    s = PromptSampler(20, 4, seed=5)
+    s = EpochSampler(20, 4, seed=5)
     s.next_batch()
-    other = PromptSampler(20, 4, seed=99)
+    other = EpochSampler(20, 4, seed=99)
     other.load_state_dict(s.state_dict())
     assert other.next_batch() == s.next_batch()
 
@@ -85,8 +85,8 @@ def test_loaded_seed_defines_stream() -> None:
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_dp_shards_disjoint_and_cover(drop_last: bool) -> None:
     dp = 4
-    ranks = [PromptSampler(23, 8, seed=2, drop_last=drop_last, dp_rank=r, dp_size=dp) for r in range(dp)]
-    glob = PromptSampler(23, 8, seed=2, drop_last=drop_last)
+    ranks = [EpochSampler(23, 8, seed=2, drop_last=drop_last, dp_rank=r, dp_size=dp) for r in range(dp)]
+    glob = EpochSampler(23, 8, seed=2, drop_last=drop_last)
     for _ in range(7):
         shares = [r.next_batch() for r in ranks]
         full = glob.next_batch()
@@ -99,16 +99,16 @@ def test_dp_shards_disjoint_and_cover(drop_last: bool) -> None:
 
 def test_constructor_errors() -> None:
     with pytest.raises(ConfigError):
-        PromptSampler(10, 3, seed=0, dp_size=2)
+        EpochSampler(10, 3, seed=0, dp_size=2)
     with pytest.raises(ConfigError):
-        PromptSampler(10, 4, seed=0, dp_rank=2, dp_size=2)
+        EpochSampler(10, 4, seed=0, dp_rank=2, dp_size=2)
     with pytest.raises(ConfigError):
-        PromptSampler(3, 4, seed=0)
+        EpochSampler(3, 4, seed=0)
     with pytest.raises(ConfigError):
-        PromptSampler(0, 1, seed=0)
+        EpochSampler(0, 1, seed=0)
     with pytest.raises(ConfigError):
-        PromptSampler(10, 2, seed=-1)
-    PromptSampler(3, 4, seed=0, drop_last=False).next_batch()  # allowed: batch spans epochs
+        EpochSampler(10, 2, seed=-1)
+    EpochSampler(3, 4, seed=0, drop_last=False).next_batch()  # allowed: batch spans epochs
 
 
 JUNK = [
@@ -130,7 +130,7 @@ JUNK = [
 
 @pytest.mark.parametrize(("case", "state", "field"), JUNK, ids=[j[0] for j in JUNK])
 def test_load_state_rejects_junk(case: str, state, field: str) -> None:
-    s = PromptSampler(10, 2, seed=0)
+    s = EpochSampler(10, 2, seed=0)
     before = s.state_dict()
     with pytest.raises(DataError) as err:
         s.load_state_dict(state)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from rlpipe.data.tasks import (
+from rlpipe.data.builtin_tasks import (
     HELD_OUT_BUCKETS,
     WORD_PROBLEM_INSTRUCTION,
     generate_examples,

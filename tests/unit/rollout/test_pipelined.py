@@ -1,4 +1,4 @@
-"""The bounded-staleness loop (rlpipe.pipelined) with a fake engine and a fake trainer: schedule, overlap, where
+"""The bounded-staleness loop (rlpipe.loop_async) with a fake engine and a fake trainer: schedule, overlap, where
 syncs happen, errors. Fast: no Ray, no model."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 
 from rlpipe.config import load_config
 from rlpipe.errors import ConfigError, RolloutServerError
-from rlpipe.pipelined import DriftMonitor, RolloutPipeline, check_staleness, sampled_from
+from rlpipe.loop_async import AsyncLoop, DriftMonitor, check_staleness, sampled_from
 from rlpipe.rollout.engine import Generation
 from rlpipe.rollout.engine_sync import EngineSync
-from rlpipe.rollout.weight_sync import ProbeSequence
+from rlpipe.rollout.probe import ProbeSequence
 
 WAIT = 10.0  # seconds a fake side waits for the other before declaring the loop synchronous
 
@@ -84,14 +84,15 @@ class Engine:
 
 
 class Session:
-    """What RolloutPipeline uses of an RLSession: each update adds 1 to the weights' version (optimizer step)."""
+    """What AsyncLoop uses of an RLSession: each update adds 1 to the weights' version (optimizer step)."""
 
     def __init__(self, k: int, iterations: int, engine: Engine):
-        self.cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k), iterations=iterations, eval_every=0)
-        self.state = SimpleNamespace(iteration=0, optimizer_step=0)
+        self.cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k), iterations=iterations)
+        self.schedule = SimpleNamespace(sft_due=lambda t: False, eval_due=lambda t: False)
+        self.counters = SimpleNamespace(iteration=0, step=0)
         self.publish_threads: list[str] = []
         self.trained: list[tuple[int, float]] = []  # (iteration, version the batch was sampled with)
-        self.save_hooks: list = []
+        self.run = SimpleNamespace(save_hooks=[])
         self.next_prompt = 0
         self.during_train = lambda t: None
         self.mismatch_kl = lambda t: 0.0  # what the trainer reports as mismatch/mismatch_kl for iteration t
@@ -101,9 +102,10 @@ class Session:
             return str(version)  # the weights of version v are the float v
 
         def trainer_probe(seqs):
-            return [[-float(self.state.optimizer_step)] * len(s.response_ids) for s in seqs]
+            return [[-float(self.counters.step)] * len(s.response_ids) for s in seqs]
 
-        self.engine_sync = EngineSync(engine, publish, trainer_probe, [ProbeSequence([1], [3])], 1e-9, log=print)
+        sync = EngineSync(engine, publish, trainer_probe, [ProbeSequence([1], [3])], 1e-9, log=print)
+        self.rollout_source = SimpleNamespace(sync=sync)
         self.sampler = SimpleNamespace(next_batch=self._next_batch)
 
     def _next_batch(self):
@@ -117,13 +119,10 @@ class Session:
     def account_rollout(self, iteration, num_prompts, stats):
         pass
 
-    def sft_due(self, iteration):
-        return False
-
     def train(self, batch):
-        t = self.state.iteration + 1
+        t = self.counters.iteration + 1
         self.during_train(t)
-        self.state.iteration, self.state.optimizer_step = t, self.state.optimizer_step + 1
+        self.counters.iteration, self.counters.step = t, self.counters.step + 1
         return {"loss": 0.0, "mismatch/mismatch_kl": self.mismatch_kl(t)}
 
 
@@ -131,7 +130,7 @@ def _run(k: int, iterations: int, session=None, engine=None):
     engine = engine or Engine()
     session = session or Session(k, iterations, engine)
     rows, ahead = [], []
-    with RolloutPipeline(session, None, last_iteration=iterations, log=lambda m: None) as pipe:
+    with AsyncLoop(session, None, last_iteration=iterations, log=lambda m: None) as pipe:
         for _ in range(iterations):
             rows.append(pipe.step())
             ahead.append([b.iteration for b in pipe.ready])
@@ -163,7 +162,7 @@ def test_the_loop_logs_one_drift_warning_when_the_gap_stays_large(kl, warnings):
     session = Session(1, 14, engine)
     session.mismatch_kl = lambda t: 0.0 if t == 1 else kl  # batch 1 is on-policy
     logged: list[str] = []
-    with RolloutPipeline(session, None, last_iteration=14, log=logged.append) as pipe:
+    with AsyncLoop(session, None, last_iteration=14, log=logged.append) as pipe:
         for _ in range(14):
             pipe.step()
     drift = [m for m in logged if "mismatch/mismatch_kl averaged" in m]
@@ -203,7 +202,7 @@ def test_new_weights_are_published_while_the_batch_in_flight_samples_the_old_one
     engine = Engine()
     session = Session(1, 5, engine)
     published = {v: threading.Event() for v in range(0, 8)}
-    sync = session.engine_sync
+    sync = session.rollout_source.sync
     inner = sync.publish
 
     def publish(version):
@@ -272,10 +271,10 @@ def test_a_driver_failure_finishes_the_batch_in_flight_and_samples_no_more():
 
 
 def _checkpoint_with_pending(tmp_path, iteration: int, entries: list[tuple[int, int]]) -> str:
-    """A train_state.json + pending parquet files as `RolloutPipeline._save_pending` writes them."""
-    from rlpipe.pipelined import PENDING_DIR, PENDING_KEY
+    """A train_state.json + pending parquet files as `AsyncLoop._save_pending` writes them."""
+    from rlpipe.loop_async import PENDING_DIR, PENDING_KEY
     from rlpipe.rollout.batch import ROLLOUT_SCHEMA, write_batch
-    from rlpipe.train.checkpoint import TrainState, write_train_state
+    from rlpipe.train.checkpoint import Counters, TrainState, write_train_state
 
     # empty, as when every group is filtered out (rollout.filter_uniform_groups): it must still round-trip
     frame = pd.DataFrame({c: [] for c in ROLLOUT_SCHEMA.names}, columns=ROLLOUT_SCHEMA.names)
@@ -286,12 +285,14 @@ def _checkpoint_with_pending(tmp_path, iteration: int, entries: list[tuple[int, 
         write_batch(frame, tmp_path / rel)
         meta.append({"iteration": j, "weights_iteration": s, "weight_version": s, "num_prompts": 2,
                      "stats": {"reward_mean": 0.5}, "file": rel})  # fmt: skip
-    write_train_state(tmp_path, TrainState(step=iteration, iteration=iteration, extra={PENDING_KEY: meta}))
+    write_train_state(
+        tmp_path, TrainState(counters=Counters(step=iteration, iteration=iteration), extra={PENDING_KEY: meta})
+    )
     return str(tmp_path)
 
 
 def test_pending_batches_are_checked_against_the_resumed_runs_k(tmp_path):
-    from rlpipe.pipelined import load_pending, refuse_pending
+    from rlpipe.loop_async import load_pending, refuse_pending
     from rlpipe.rollout.batch import ROLLOUT_SCHEMA
 
     ck = _checkpoint_with_pending(tmp_path, 3, [(4, 1), (5, 2)])  # a k=2 run's checkpoint after iteration 3

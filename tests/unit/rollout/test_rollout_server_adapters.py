@@ -15,7 +15,7 @@ from rlpipe.errors import ConfigError, RolloutServerError
 from rlpipe.rollout.nccl_transfer import NCCLWeightSender, TensorMeta, init_info, iter_buckets, plan_buckets
 from rlpipe.rollout.sglang_engine import SGLangEngine
 from rlpipe.rollout.vllm_engine import VLLMEngine
-from rlpipe.rollout.vllm_server import VLLMServer, VLLMServerSpec, check_cpu_head_dim
+from rlpipe.rollout.vllm_process import VLLMServer, VLLMServerSpec, check_cpu_head_dim
 
 
 class Recorder:
@@ -232,7 +232,7 @@ def test_a_managed_cpu_server_never_splits_a_prompt_and_the_users_args_win(tmp_p
     """Seeded requests + chunked prefill kill vLLM's CPU engine (see `cpu_server_args`): rlpipe's CPU server runs
     without chunked prefill, with a step budget that holds the longest prompt; on GPU nothing is added."""
     from rlpipe.config import load_config
-    from rlpipe.serving import managed_server_spec
+    from rlpipe.rollout.sources import managed_server_spec
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
     cfg = load_config(overrides={"rollout.engine": "vllm", "rollout.vllm.python": sys.executable,

@@ -19,6 +19,7 @@ import torch
 
 from rlpipe.errors import CheckpointError
 from rlpipe.train import checkpoint as ck
+from rlpipe.train import checkpoint_io as cio
 from rlpipe.train.lineage import (
     BaseModelRef,
     Manifest,
@@ -326,22 +327,39 @@ def test_wrong_model_shape_names_the_manifest_and_the_differing_fields(tmp_path)
 
 
 def test_train_state_roundtrip_and_schema(tmp_path):
+    from rlpipe.data.sampler import SamplerState
+
     st = ck.TrainState(
-        step=7,
-        iteration=2,
-        epoch=1,
-        consumed_samples=64,
-        consumed_tokens=4096,
-        sampler_state={"epoch": 1, "seed": 3},
+        counters=ck.Counters(step=7, iteration=2, consumed_prompts=64, consumed_tokens=4096, sft_steps=1),
+        sampler=SamplerState(epoch=1, seed=3, num_examples=10),
         worker_states=[{"optimizer_step": 7}],
         extra={"lr_scheduler": {"last_epoch": 7}},
     )
     ck.write_train_state(tmp_path, st)
     assert ck.load_train_state(tmp_path) == st
     assert ck.load_train_state(tmp_path / "train_state.json") == st
-    (tmp_path / "train_state.json").write_text(json.dumps({"step": 1, "iteration": 0, "surprise": 1}))
+    assert json.loads((tmp_path / "train_state.json").read_text())["format"] == 2
+    (tmp_path / "train_state.json").write_text(json.dumps({"format": 2, "counters": {"step": 1}, "surprise": 1}))
     with pytest.raises(CheckpointError, match="TrainState schema"):
         ck.load_train_state(tmp_path)
+    (tmp_path / "train_state.json").write_text(json.dumps({"step": 1, "iteration": 0, "surprise": 1}))
+    with pytest.raises(CheckpointError, match="TrainState schema"):
+        ck.load_train_state(tmp_path)  # format 1 is migrated, and still checked field by field
+
+
+def test_format_1_train_state_maps_onto_the_counters(tmp_path):
+    """A train_state.json as rlpipe wrote it before the counters were unified (flat step / consumed_samples,
+    sampler_state, sft_loader_state, extra.sft_steps) reads back as the same position in format 2."""
+    old = {"step": 9, "iteration": 4, "epoch": 1, "consumed_samples": 256, "consumed_tokens": 1000,
+           "sampler_state": {"epoch": 1, "consumed_in_epoch": 56, "total_consumed": 256, "seed": 0, "num_examples": 200},
+           "sft_loader_state": None, "rng_states": [], "worker_states": [{"optimizer_step": 9}],
+           "extra": {"sft_steps": 1, "pending_rollouts": []}}  # fmt: skip
+    (tmp_path / "train_state.json").write_text(json.dumps(old))
+    st = ck.load_train_state(tmp_path)
+    assert st.counters == ck.Counters(iteration=4, step=9, consumed_prompts=256, consumed_tokens=1000, sft_steps=1)
+    assert (st.sampler.consumed_in_epoch, st.sampler.total_consumed, st.sft_sampler) == (56, 256, None)
+    assert st.extra == {"pending_rollouts": []} and st.worker_states == [{"optimizer_step": 9}]
+
     with pytest.raises(CheckpointError, match="not found"):
         ck.load_train_state(tmp_path / "nope.json")
 
@@ -372,26 +390,24 @@ def test_rng_capture_restore_through_json():
     torch.manual_seed(3)
     random.gauss(0, 1)  # leaves a cached gaussian in python's state
     np.random.randn()
-    state = json.loads(json.dumps(ck.capture_rng_state()))
+    state = json.loads(json.dumps(cio.capture_rng_state()))
     expected = _draw()
     _draw()
-    ck.restore_rng_state(state)
+    cio.restore_rng_state(state)
     assert _draw() == expected
-    before = ck.capture_rng_state()
+    before = cio.capture_rng_state()
     with pytest.raises(CheckpointError, match="invalid RNG state"):
-        ck.restore_rng_state({**state, "numpy": ["MT19937", [1, 2], 0, 0, 0.0]})
+        cio.restore_rng_state({**state, "numpy": ["MT19937", [1, 2], 0, 0, 0.0]})
     with pytest.raises(CheckpointError, match="torch state"):
-        ck.restore_rng_state({**state, "torch": "AAAA"})
+        cio.restore_rng_state({**state, "torch": "AAAA"})
     with pytest.raises(CheckpointError, match="invalid RNG state"):
-        ck.restore_rng_state({**state, "python": [3, [1, 2, 3], None]})
-    assert ck.capture_rng_state() == before  # failed restores changed nothing
+        cio.restore_rng_state({**state, "python": [3, [1, 2, 3], None]})
+    assert cio.capture_rng_state() == before  # failed restores changed nothing
     with pytest.raises(CheckpointError, match="unknown RNG state format"):
-        ck.restore_rng_state({**state, "format": 99})
-    ts = ck.TrainState(step=0, iteration=0, rng_states=[state])
+        cio.restore_rng_state({**state, "format": 99})
     _draw()
-    assert ck.restore_rank_rng(ts, 0) is True
+    cio.restore_rng_state(ck.TrainState(rng_states=[state]).rng_states[0])  # as a resume reads it back
     assert _draw() == expected
-    assert ck.restore_rank_rng(ts, 1) is False
 
 
 # ------------------------------------------------------------------------------------------------ DCP
@@ -435,18 +451,18 @@ def test_dcp_plain_model_roundtrip(tmp_path):
     model = _tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train_step(model, opt, 0)
-    ck.save_dcp(model, opt, tmp_path / "w")
+    cio.save_dcp(model, opt, tmp_path / "w")
     saved = _snapshot(model, opt)
     _train_step(model, opt, 1)  # perturbs params and Adam moments
     assert not torch.equal(saved[0]["0.weight"], model.state_dict()["0.weight"])
-    ck.load_dcp(model, opt, tmp_path / "w")
+    cio.load_dcp(model, opt, tmp_path / "w")
     _assert_same(saved, _snapshot(model, opt))
     fresh = _tiny()  # weights-only load into a fresh module (rollout side)
-    ck.load_dcp(fresh, None, tmp_path / "w")
+    cio.load_dcp(fresh, None, tmp_path / "w")
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, saved[0][k])
     with pytest.raises(CheckpointError, match="missing .metadata"):
-        ck.load_dcp(fresh, None, tmp_path / "nothing")
+        cio.load_dcp(fresh, None, tmp_path / "nothing")
 
 
 @pytest.fixture
@@ -460,7 +476,7 @@ def gloo_world1(tmp_path):
         dist.destroy_process_group()
 
 
-def test_dcp_fsdp2_world1_and_collective_save_load(tmp_path, gloo_world1):
+def test_dcp_fsdp2_world1_save_load(tmp_path, gloo_world1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -473,49 +489,8 @@ def test_dcp_fsdp2_world1_and_collective_save_load(tmp_path, gloo_world1):
     _train_step(model, opt, 0)
     assert type(next(model.parameters())).__name__ == "DTensor"
 
-    ck.save_dcp(model, opt, tmp_path / "w")
+    cio.save_dcp(model, opt, tmp_path / "w")
     saved = _snapshot(model, opt)
     _train_step(model, opt, 1)
-    ck.load_dcp(model, opt, tmp_path / "w")
+    cio.load_dcp(model, opt, tmp_path / "w")
     _assert_same(saved, _snapshot(model, opt))
-
-    # collective one-liners: publish, then resume (verify + weights + optimizer + RNG)
-    torch.manual_seed(123)
-    state = ck.TrainState(step=1, iteration=1, consumed_samples=8)
-    final = ck.save_checkpoint(tmp_path / "ckpts", manifest_for(1), model=model, optimizer=opt, train_state=state,
-                               config={"lr": 1e-3})  # fmt: skip
-    expected_rand = torch.rand(3)
-    assert final == ck.latest_checkpoint(tmp_path / "ckpts", EXP)
-    m = ck.verify_checkpoint(final, FP)
-    assert {"weights/.metadata", "train_state.json", "config.json"} <= set(m.files)
-    _train_step(model, opt, 2)
-    torch.rand(5)
-    loaded = ck.load_checkpoint(final, model=model, optimizer=opt, expect_model_fingerprint=FP)
-    assert loaded.consumed_samples == 8 and len(loaded.rng_states) == 1
-    assert torch.equal(torch.rand(3), expected_rand)
-    _assert_same(saved, _snapshot(model, opt))
-    with pytest.raises(CheckpointError, match="was written for model"):
-        ck.load_checkpoint(final, model=model, optimizer=opt, expect_model_fingerprint="0" * 64)
-    with pytest.raises(CheckpointError, match="already exists"):
-        ck.save_checkpoint(tmp_path / "ckpts", manifest_for(1), model=model, optimizer=opt, train_state=state)
-    assert [p.name for p in (tmp_path / "ckpts" / EXP).iterdir()] == ["step-000001"]  # failed save cleaned up
-
-
-def test_checkpoint_writer_context_manager(tmp_path):
-    with ck.CheckpointWriter(tmp_path, EXP, 4) as w:
-        assert w.weights_dir.parent.name.startswith(".step-000004.tmp-")
-        w.weights_dir.mkdir()
-        (w.weights_dir / ".metadata").write_bytes(b"m")
-        w.write_train_state(ck.TrainState(step=4, iteration=1))
-        w.write_config({"lr": 1e-3})
-        path = w.finalize(manifest_for(4))
-    assert path == ck.latest_checkpoint(tmp_path, EXP) and ck.verify_checkpoint(path, FP).complete
-    with pytest.raises(CheckpointError, match="not open"):
-        w.write_config({})
-    with pytest.raises(RuntimeError, match="worker died"):
-        with ck.CheckpointWriter(tmp_path, EXP, 5) as w:
-            w.write_config({})
-            raise RuntimeError("worker died")
-    with ck.CheckpointWriter(tmp_path, EXP, 6) as w:
-        w.write_config({})  # forgot finalize
-    assert hidden(tmp_path) == [] and ck.latest_checkpoint(tmp_path, EXP) == path

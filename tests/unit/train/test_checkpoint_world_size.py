@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from rlpipe.errors import CheckpointError
-from rlpipe.train import checkpoint as ck
+from rlpipe.train import checkpoint_io as cio
 
 VOCAB = 40
 
@@ -109,12 +109,12 @@ def _two_ranks(rank: int, store: str, from_one: str, written_by_two: str, out: s
         opt = _adamw(policy)
         embed = policy.embed.weight
         assert type(embed).__name__ == "DTensor" and embed.to_local().shape[0] < embed.shape[0]  # really sharded
-        ck.load_dcp(policy, opt, from_one)
+        cio.load_dcp(policy, opt, from_one)
         loaded = _full(policy, opt)
         if rank == 0:  # now: the state dict shares the optimizer's `step` tensors, which AdamW bumps in place
             torch.save(loaded, Path(out) / "loaded_on_2.pt")
         _train(policy, opt, 2, seed=100)
-        ck.save_dcp(policy, opt, written_by_two)
+        cio.save_dcp(policy, opt, written_by_two)
         saved = _full(policy, opt)
         if rank == 0:
             torch.save(saved, Path(out) / "saved_on_2.pt")
@@ -129,7 +129,7 @@ def test_checkpoint_moves_between_one_replicated_rank_and_two_sharded_ranks(tmp_
     policy = _Policy(seed=0)
     opt = _adamw(policy)
     _train(policy, opt, 2, seed=0)
-    ck.save_dcp(policy, opt, tmp_path / "w1")  # no process group: plain tensors, as a 1-worker (or replicated) run
+    cio.save_dcp(policy, opt, tmp_path / "w1")  # no process group: plain tensors, as a 1-worker (or replicated) run
     saved_on_1 = _full(policy, opt)
     assert float(saved_on_1["optim"]["state"]["embed.weight"]["step"]) == 2.0
 
@@ -141,22 +141,22 @@ def test_checkpoint_moves_between_one_replicated_rank_and_two_sharded_ranks(tmp_
     assert float(saved_on_2["optim"]["state"]["embed.weight"]["step"]) == 4.0  # trained on after the 1 -> 2
     fresh = _Policy(seed=9)
     fresh_opt = _adamw(fresh)
-    ck.load_dcp(fresh, fresh_opt, tmp_path / "w2")
+    cio.load_dcp(fresh, fresh_opt, tmp_path / "w2")
     _assert_same_state(saved_on_2, _full(fresh, fresh_opt))
 
 
 def test_a_different_model_shape_names_the_file_and_the_weight(tmp_path):
     small = _Policy(seed=0, hidden=16)
-    ck.save_dcp(small, None, tmp_path / "w")
+    cio.save_dcp(small, None, tmp_path / "w")
     with pytest.raises(CheckpointError) as err:
-        ck.load_dcp(_Policy(seed=0, hidden=32), None, tmp_path / "w")
+        cio.load_dcp(_Policy(seed=0, hidden=32), None, tmp_path / "w")
     msg = str(err.value)
     assert str(tmp_path / "w" / ".metadata") in msg
     assert "weight 'embed.weight' has shape [40, 16] in the checkpoint but [40, 32] in this model" in msg
     with pytest.raises(CheckpointError, match=r"no weight 'layers.2.0.weight' that this model has"):
-        ck.load_dcp(_Policy(seed=0, layers=3), None, tmp_path / "w")
+        cio.load_dcp(_Policy(seed=0, layers=3), None, tmp_path / "w")
     with pytest.raises(CheckpointError, match="holds no optimizer state .*checkpoint.save_optimizer=false"):
-        ck.load_dcp(small, _adamw(small), tmp_path / "w")
+        cio.load_dcp(small, _adamw(small), tmp_path / "w")
 
 
 def _worker(step: int, rng: str = "r") -> dict:
@@ -165,18 +165,18 @@ def _worker(step: int, rng: str = "r") -> dict:
 
 def test_worker_states_keep_rng_at_the_same_world_size_and_reseed_on_another():
     saved = [_worker(5, "r0"), _worker(5, "r1")]
-    assert ck.worker_states_for(saved, 2) == saved  # same world size: each rank its own RNG (bitwise continuation)
-    assert ck.worker_states_for(saved, 1) == [{"optimizer_step": 5, "skipped_steps": 1, "rng": None}]
-    assert ck.worker_states_for(saved[:1], 3) == [{"optimizer_step": 5, "skipped_steps": 1, "rng": None}] * 3
+    assert cio.worker_states_for(saved, 2) == saved  # same world size: each rank its own RNG (bitwise continuation)
+    assert cio.worker_states_for(saved, 1) == [{"optimizer_step": 5, "skipped_steps": 1, "rng": None}]
+    assert cio.worker_states_for(saved[:1], 3) == [{"optimizer_step": 5, "skipped_steps": 1, "rng": None}] * 3
     with pytest.raises(
         CheckpointError, match=r"ckpt-x: worker_states disagree on optimizer_step \(rank 0: 5, rank 1: 6"
     ):
-        ck.worker_states_for([_worker(5), _worker(6)], 1, where="ckpt-x")
+        cio.worker_states_for([_worker(5), _worker(6)], 1, where="ckpt-x")
     with pytest.raises(CheckpointError, match="no worker_states"):
-        ck.worker_states_for([], 1)
+        cio.worker_states_for([], 1)
     with pytest.raises(CheckpointError, match=r"worker_states\[0\] lacks rng"):
-        ck.worker_states_for([{"optimizer_step": 1, "skipped_steps": 0}], 2)
+        cio.worker_states_for([{"optimizer_step": 1, "skipped_steps": 0}], 2)
     # the re-seed depends on rank and position (not a replay of the initial stream), and is reproducible
-    seeds = {ck.resume_seed(0, rank, step) for rank in (0, 1) for step in (0, 5)}
-    assert len(seeds) == 4 and ck.resume_seed(0, 1, 5) == ck.resume_seed(0, 1, 5)
+    seeds = {cio.resume_seed(0, rank, step) for rank in (0, 1) for step in (0, 5)}
+    assert len(seeds) == 4 and cio.resume_seed(0, 1, 5) == cio.resume_seed(0, 1, 5)
     assert all(0 <= s < 2**64 for s in seeds)

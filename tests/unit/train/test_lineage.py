@@ -184,13 +184,15 @@ def test_format_text_and_json(tmp_path):
 
 
 def test_consecutive_reads_of_one_file_are_one_lineage_entry():
-    from rlpipe.session import record_data
+    from rlpipe.config import PipelineConfig
+    from rlpipe.train.run_state import RunState
 
-    data: list[dict] = []
+    run = RunState(PipelineConfig(), "unused-model-dir")
     for it in (301, 302, 303):
-        record_data(data, "prompts", it, "p.parquet", "aa")
-        record_data(data, "sft", it, "s.parquet", "bb")
-    record_data(data, "prompts", 304, "other.parquet", "cc")  # a new file starts a new entry
-    record_data(data, "prompts", 305, "other.parquet", "cc")
+        run.record_data("prompts", it, "p.parquet", "aa")
+        run.record_data("sft", it, "s.parquet", "bb")
+    run.record_data("prompts", 304, "other.parquet", "cc")  # a new file starts a new entry
+    run.record_data("prompts", 305, "other.parquet", "cc")
+    data = run.data
     assert [d["name"] for d in data] == ["prompts@301-303", "sft@301-303", "prompts@304-305"]
     assert [d["path"] for d in data] == ["p.parquet", "s.parquet", "other.parquet"]

@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from rlpipe.session import _absolute
+from rlpipe.train.run_state import absolute as _absolute
 
 
 def test_relative_locations_become_absolute(tmp_path, monkeypatch):

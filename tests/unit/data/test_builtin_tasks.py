@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.data.datasets import load_prompt_dataset
-from rlpipe.data.sft import load_sft_dataset
-from rlpipe.data.tasks import (
+from rlpipe.data.builtin_tasks import (
     BUILTIN_TASKS,
     builtin_charset,
     make_sft_rows,
@@ -16,6 +14,8 @@ from rlpipe.data.tasks import (
     tiny_task_names,
     write_task_dataset,
 )
+from rlpipe.data.datasets import load_prompt_dataset
+from rlpipe.data.sft import load_sft_dataset
 from rlpipe.errors import ConfigError
 
 

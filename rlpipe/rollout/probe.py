@@ -1,4 +1,4 @@
-"""The weight-sync contract between the trainer and an inference engine, and its verification.
+"""The weight-sync contract between the trainer and an inference engine, and the probe that verifies every load.
 
 An engine that serves the policy from its own copy of the weights (a vLLM or SGLang server) must be told about
 every update, or it samples from a stale policy while the trainer treats the samples as on-policy: a silent bug.
@@ -6,7 +6,7 @@ The contract:
 
 * the trainer's weights carry a version (rlpipe uses the optimizer step: RL and SFT steps both change weights);
 * before a rollout, if the engine's served version differs, the policy is published (`write_serving_dir`: a
-  complete HF directory with safetensors; on GPUs the NCCL stream of `rlpipe.rollout.nccl_transfer`) and the
+  complete HF directory with safetensors, `rlpipe.rollout.serving_dir`; on GPUs the NCCL stream of `rlpipe.rollout.nccl_transfer`) and the
   engine loads it (`SyncableEngine.load_weights`: pause, load, reset the prefix cache, resume);
 * the load is never trusted: a fixed probe (prompt + response token ids) is scored by the engine and by the trainer
   and compared (`compare_probe`); beyond the tolerance a `WeightSyncError` names the engine, version and max
@@ -18,33 +18,13 @@ Several optimizer steps between two rollouts cost one sync: syncs are lazy, done
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from rlpipe.errors import WeightSyncError
 from rlpipe.rollout.engine import Generation, SamplingParams
-
-# Files of a model directory that the server needs besides the weights (config, tokenizer, generation defaults).
-_MODEL_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-WEIGHTS_FILE = "model.safetensors"
-VERSION_FILE = "rlpipe_weight_version.json"
 
 
 @runtime_checkable
@@ -135,67 +115,3 @@ def default_probe_tolerance(dtype: str) -> float:
     """Max per-token |logprob| difference accepted after a sync: float32 engines match the trainer to ~1e-5
     (measured: 1e-6 on the tiny default with vLLM CPU); bf16/fp16 kernels differ by up to a few 1e-2."""
     return 1e-3 if dtype in ("float32", "fp32") else 0.1
-
-
-def serving_state_dict(
-    state: dict[str, torch.Tensor], input_embedding_key: str | None, output_embedding_key: str | None
-) -> dict[str, torch.Tensor]:
-    """The tensors an engine must load: every weight, and the LM head written explicitly even when it is tied.
-
-    With `tie_word_embeddings`, HF checkpoints omit `lm_head.weight`; vLLM's in-place reload then leaves its LM head
-    at the weights it started with (measured on vLLM 0.32: "ParallelLMHead: Failed to load weights", probe diff
-    0.89). Writing the head explicitly makes the reload complete (probe diff 1e-6).
-    """
-    out = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    if output_embedding_key and output_embedding_key not in out and input_embedding_key in out:
-        out[output_embedding_key] = out[input_embedding_key]
-    # safetensors refuses tensors that share memory; a tied head becomes its own copy.
-    seen: dict[int, str] = {}
-    for name in list(out):
-        ptr = out[name].data_ptr()
-        if ptr in seen:
-            out[name] = out[name].clone()
-        else:
-            seen[ptr] = name
-    return out
-
-
-def write_serving_dir(
-    state: dict[str, torch.Tensor], model_dir: str | Path, root: str | Path, version: int, keep: int = 2
-) -> Path:
-    """Write a complete HF model directory (config, tokenizer, `model.safetensors`) for `version` under `root`.
-
-    Written to a temporary name and renamed, so an engine (or a restart) never reads a half-written directory.
-    Older versions beyond the newest `keep` are removed. Returns the directory.
-    """
-    from safetensors.torch import save_file
-
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"v{version:08d}"
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        for name in _MODEL_SIDE_FILES:
-            src = Path(model_dir) / name
-            if src.is_file():
-                shutil.copy2(src, tmp / name)
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
-        with open(tmp / WEIGHTS_FILE, "rb") as f:
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in sorted(p for p in root.iterdir() if p.name.startswith("v") and p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def serving_dir_version(path: str | Path) -> int | None:
-    """The version a serving directory holds (None if it is not one rlpipe wrote)."""
-    f = Path(path) / VERSION_FILE
-    return int(json.loads(f.read_text())["version"]) if f.is_file() else None

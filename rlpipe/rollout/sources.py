@@ -1,20 +1,106 @@
-"""The session's server engine (rollout.engine = vllm | sglang | openai), built from the config.
+"""Where a run's rollouts come from: one `RolloutSource` per `rollout.engine`, built once by `build_rollout_source`.
 
-vllm and sglang are synced: `EngineSync` publishes the policy through the training workers (`export_serving`) and
-verifies every load with a probe scored by the trainer. openai is not synced: it is accepted only with rollout IS on
-(config validation) and its metrics say how many optimizer steps the served weights lag behind.
+Every source has the same `generate(prompts, params, version) -> (generations, engine/* metrics)` and `close()`;
+`version` is the policy's weight version (its optimizer step). This module and config validation are the only
+readers of `rollout.engine`.
+
+- `hf`: HF `generate` inside the training workers, on a copy of the current weights (`WorkerRollout`);
+- `openai`: any OpenAI-compatible server, never synced (`UnsyncedServerRollout`): accepted only with rollout IS on
+  (config validation), and its metrics say how many optimizer steps the served weights lag behind;
+- `vllm`, `sglang`: a server kept serving the current weights (`SyncedServerRollout` over `EngineSync`): the policy is
+  published through the training workers (`export_serving`, or NCCL) and every load is verified with a probe.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import SequenceItem, pack_sequences, scatter_to_rows
+from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.engine_sync import EngineSync
-from rlpipe.rollout.weight_sync import ProbeSequence, build_probe, default_probe_tolerance
+from rlpipe.rollout.probe import ProbeSequence, build_probe, default_probe_tolerance
 
 SERVED_MODEL_NAME = "policy"
+EngineRows = tuple[list[Generation], dict[str, float]]
+
+
+class RolloutSource(Protocol):
+    """What the session samples from."""
+
+    lineage_name: str | None  # recorded in the manifest's `served` list; None: the trainer's own weights
+    sync: EngineSync | None  # the synced engine (the pipelined loop drives its syncs); None if not synced
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> EngineRows: ...
+
+    def close(self) -> None: ...
+
+
+class WorkerRollout:
+    """rollout.engine = hf: each training worker samples its slice of the prompts from the current weights."""
+
+    lineage_name = None
+    sync = None
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> EngineRows:
+        return self.controller.generate(prompts, params), {}
+
+    def close(self) -> None:
+        """The workers belong to the session."""
+
+
+class UnsyncedServerRollout:
+    """rollout.engine = openai: a server that serves the weights it was started with, whatever the trainer does."""
+
+    sync = None
+
+    def __init__(self, engine, url: str):
+        self.engine = engine
+        self.lineage_name = f"openai {url}"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> EngineRows:
+        # never synced: it serves its own weights, `version` optimizer steps behind
+        return self.engine.generate(prompts, params), {
+            "engine/weight_version": -1.0,
+            "engine/weight_lag": float(version),
+        }
+
+    def close(self) -> None:
+        """The server is the user's."""
+
+
+class SyncedServerRollout:
+    """rollout.engine = vllm | sglang: a server brought to `version` (published, loaded, probed) before it samples."""
+
+    def __init__(self, sync: EngineSync):
+        self.sync = sync
+        self.lineage_name = sync.engine.name
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> EngineRows:
+        gens = self.sync.generate(prompts, params, version)
+        return gens, self.sync.stats.row(self.sync.engine.served_version)
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+def build_rollout_source(
+    cfg: PipelineConfig, model_dir: str, controller, tokenizer, prompts, log=print
+) -> RolloutSource:
+    """The source `rollout.engine` names; a managed vLLM server is started here."""
+    r = cfg.rollout
+    if r.engine == "hf":
+        return WorkerRollout(controller)
+    if r.engine == "openai":
+        from rlpipe.rollout.openai_engine import OpenAIRolloutEngine
+
+        engine = OpenAIRolloutEngine(r.server_url, r.server_model or "default", eos_token_id=tokenizer.eos_token_id)
+        return UnsyncedServerRollout(engine, r.server_url)
+    return SyncedServerRollout(build_engine_sync(cfg, model_dir, controller, tokenizer, prompts, log))
 
 
 def serving_root(cfg: PipelineConfig) -> Path:
@@ -78,7 +164,7 @@ def _nccl_publisher(controller, engine, bucket_bytes: int):
 
 def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: int | None, log):
     from rlpipe.rollout.vllm_engine import VLLMEngine
-    from rlpipe.rollout.vllm_server import VLLMServer
+    from rlpipe.rollout.vllm_process import VLLMServer
 
     if cfg.rollout.server_url:
         return VLLMEngine(cfg.rollout.server_url, name, eos_token_id)
@@ -92,7 +178,7 @@ def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: i
 def managed_server_spec(cfg: PipelineConfig, model_dir: str, name: str, on_gpu: bool):
     """How rlpipe starts its own vLLM server for this config (`rollout.vllm.*`); on CPU, with `cpu_server_args`
     first (the user's `extra_args` come after them, so theirs win)."""
-    from rlpipe.rollout.vllm_server import VLLMServerSpec, check_cpu_head_dim, cpu_server_args, resolve_vllm_python
+    from rlpipe.rollout.vllm_process import VLLMServerSpec, check_cpu_head_dim, cpu_server_args, resolve_vllm_python
 
     r, v = cfg.rollout, cfg.rollout.vllm
     max_model_len = v.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens

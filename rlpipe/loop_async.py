@@ -1,4 +1,5 @@
-"""Bounded-staleness (one-step-off-policy) RL loop: a producer thread samples ahead while the trainer trains.
+"""The async RL loop (bounded staleness, one-step-off-policy): a producer thread samples ahead while the trainer
+trains. The synchronous loop beside it is `rlpipe.loop`; both run through `rlpipe.loop.segment_loop`.
 
 `rollout.max_staleness = k >= 1`. The schedule is fixed, so a run is reproducible and a resumed run equals an
 uninterrupted one:
@@ -39,13 +40,11 @@ import pandas as pd
 
 from rlpipe.errors import CheckpointError, ConfigError
 from rlpipe.rollout.batch import read_batch, write_batch
+from rlpipe.rollout.engine_sync import SyncStats
 from rlpipe.train import checkpoint as ckpt
 
 PENDING_DIR = "pending_rollouts"
 PENDING_KEY = "pending_rollouts"  # train_state.json `extra` key
-_SYNC_KEYS = ("engine/syncs", "engine/sync_time_s", "engine/sync_blocking_time_s", "engine/publish_time_s",
-              "engine/staged_publish_time_s", "engine/load_time_s", "engine/verify_time_s",
-              "engine/probe_max_abs_diff")  # fmt: skip
 # Rollout IS corrects a k-update-old batch only while one update moves the policy little. On the default task
 # (bench/async_rollout.py, 400 iterations, k=1) the 10-iteration mean of mismatch/mismatch_kl peaked at 0.035 and
 # 0.049 (two seeds) at lr 5e-4, where k=1 ended within the noise of k=0, and passed 0.05 by iteration 14 at lr 1e-3,
@@ -161,25 +160,23 @@ class RolloutProducer:
         self._thread.join()
 
 
-class RolloutPipeline:
-    """The pipelined loop over one `RLSession` (weights resident): `step()` runs one RL iteration."""
+class AsyncLoop:
+    """The async loop over one `RLSession` (weights resident): `step()` runs one RL iteration."""
 
     def __init__(self, session, checkpoint: str | None, last_iteration: int, log=print):
         self.session, self.log = session, log
         self.k = session.cfg.rollout.max_staleness
-        self.sync = session.engine_sync
-        if self.k < 1 or self.sync is None:
-            raise ConfigError("rollout.max_staleness >= 1 needs a synced server engine (rollout.engine=vllm|sglang)")
-        self.origin = session.state.iteration
+        self.sync = session.rollout_source.sync  # config validation admits k >= 1 only for synced engines
+        self.origin = session.counters.iteration
         # the last batch to sample: this segment's, plus the k the next segment trains first (from the checkpoint)
         self.last = min(session.cfg.iterations, last_iteration + self.k)
-        self.versions = {self.origin: session.state.optimizer_step}  # weights after iteration i -> their version
+        self.versions = {self.origin: session.counters.step}  # weights after iteration i -> their version
         self.ready: deque[SampledBatch] = deque(load_pending(checkpoint, self.origin, self.k) if checkpoint else [])
         self.permitted = self.origin + len(self.ready)
-        self.sync.ensure_current(session.state.optimizer_step)  # the origin's weights, before the producer starts
+        self.sync.ensure_current(session.counters.step)  # the origin's weights, before the producer starts
         self.producer = RolloutProducer(self._sample)
         self.drift = DriftMonitor(self.k)
-        session.save_hooks.append(self._save_pending)
+        session.run.save_hooks.append(self._save_pending)
         self._permit_through(self.origin + self.k + 1)
 
     # ------------------------------------------------------------------ producer side
@@ -206,9 +203,9 @@ class RolloutPipeline:
 
     def _pull_through(self, iteration: int) -> None:
         """Wait until every batch up to `iteration` is sampled."""
-        while (self.ready[-1].iteration if self.ready else self.session.state.iteration) < iteration:
+        while (self.ready[-1].iteration if self.ready else self.session.counters.iteration) < iteration:
             got = self.producer.take()
-            expected = (self.ready[-1].iteration if self.ready else self.session.state.iteration) + 1
+            expected = (self.ready[-1].iteration if self.ready else self.session.counters.iteration) + 1
             if got.iteration != expected:
                 raise RuntimeError(f"rollout producer returned batch {got.iteration}, expected {expected}")
             self.ready.append(got)
@@ -217,7 +214,7 @@ class RolloutPipeline:
         """One RL iteration: train the batch sampled ahead while the producer samples the next; sync; eval."""
         s = self.session
         start = time.perf_counter()
-        t = s.state.iteration + 1
+        t = s.counters.iteration + 1
         self._permit_through(t + self.k)
         self._pull_through(t)
         waited = time.perf_counter() - start
@@ -226,41 +223,38 @@ class RolloutPipeline:
         s.account_rollout(t, sampled.num_prompts, sampled.stats)
         row = dict(sampled.stats)
         row.update({"staleness": float(staleness), "staleness_optimizer_steps":
-                    float(s.state.optimizer_step - sampled.weight_version),
+                    float(s.counters.step - sampled.weight_version),
                     "pipeline/weights_iteration": float(sampled.weights_iteration), "pipeline/wait_s": waited})  # fmt: skip
         row.update(s.train(sampled.batch))
         if (warning := self.drift.observe(t, row.get("mismatch/mismatch_kl", 0.0))) is not None:
             self.log(warning)
-        if s.sft_due(t):
+        if s.schedule.sft_due(t):
             row.update(s.sft())
-        self.versions[t] = s.state.optimizer_step
-        eval_due = bool(s.cfg.eval_every) and t % s.cfg.eval_every == 0
+        self.versions[t] = s.counters.step
+        eval_due = s.schedule.eval_due(t)
         sync_due = t + 1 + self.k <= self.last or eval_due
         if sync_due:
-            self.sync.stage(s.state.optimizer_step)  # publish while the producer still samples the served weights
+            self.sync.stage(s.counters.step)  # publish while the producer still samples the served weights
         self._pull_through(min(t + self.k, self.last))  # every batch that needs older weights is sampled
         with self.sync.lock:  # the producer is idle here: it has no permit until the next step
             if sync_due:
-                row.update(self._sync_now(s.state.optimizer_step))
+                row.update(self._sync_now(s.counters.step))
             if eval_due:
                 row.update(s.evaluate())
         row["iteration"] = float(t)
-        row["optimizer_step"] = float(s.state.optimizer_step)
+        row["optimizer_step"] = float(s.counters.step)
         row["iteration_time_s"] = time.perf_counter() - start
         return row
 
     def _sync_now(self, version: int) -> dict[str, float]:
-        from rlpipe.rollout.engine_sync import SyncStats
-
         self.sync.stats = SyncStats()
         self.sync.ensure_current(version)
-        row = self.sync.stats.row(version)
-        return {key: row[key] for key in _SYNC_KEYS}
+        return self.sync.stats.sync_metrics()
 
     # ------------------------------------------------------------------ checkpoints
     def _save_pending(self, tmp_dir: Path) -> dict:
         """Session save hook: write the batches sampled ahead of the trainer into the checkpoint."""
-        if self.permitted != (self.ready[-1].iteration if self.ready else self.session.state.iteration):
+        if self.permitted != (self.ready[-1].iteration if self.ready else self.session.counters.iteration):
             raise CheckpointError("a checkpoint was requested while a rollout batch was being sampled")
         entries = []
         for b in self.ready:
@@ -274,10 +268,10 @@ class RolloutPipeline:
 
     def close(self) -> None:
         self.producer.stop()
-        if self._save_pending in self.session.save_hooks:
-            self.session.save_hooks.remove(self._save_pending)
+        if self._save_pending in self.session.run.save_hooks:
+            self.session.run.save_hooks.remove(self._save_pending)
 
-    def __enter__(self) -> RolloutPipeline:
+    def __enter__(self) -> AsyncLoop:
         return self
 
     def __exit__(self, *exc: object) -> None:

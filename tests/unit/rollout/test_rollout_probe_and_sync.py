@@ -11,12 +11,10 @@ from rlpipe.errors import RolloutServerError, WeightSyncError
 from rlpipe.models.tiny import TinyModelConfig, build_tiny_model
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.engine_sync import EngineSync
-from rlpipe.rollout.weight_sync import (
+from rlpipe.rollout.probe import build_probe, check_probe, compare_probe
+from rlpipe.rollout.serving_dir import (
     VERSION_FILE,
     WEIGHTS_FILE,
-    build_probe,
-    check_probe,
-    compare_probe,
     serving_dir_version,
     serving_state_dict,
     write_serving_dir,
@@ -135,7 +133,7 @@ class FakeEngine:
 
 
 def _sync(engine, published, trainer_calls, max_restarts=2, publish_ahead=False):
-    from rlpipe.rollout.weight_sync import ProbeSequence
+    from rlpipe.rollout.probe import ProbeSequence
 
     def publish(version):
         published.append(version)

@@ -1,0 +1,70 @@
+"""The part of a training worker that hands its weights to a server engine: a serving directory on disk, or the
+NCCL stream of the GPU path (`rlpipe.rollout.nccl_transfer`). Mixed into `TrainingWorker`, whose policy it reads."""
+
+from __future__ import annotations
+
+import torch
+
+from rlpipe.rollout.serving_dir import serving_state_dict, write_serving_dir
+from rlpipe.train.distributed import free_port
+from rlpipe.train.policy import full_hf_state_dict
+
+
+class ServingExport:
+    """Publishing methods of `TrainingWorker` (`policy`, `rank`, `model_dir` are the worker's)."""
+
+    def export_serving(self, root: str, version: int) -> str | None:
+        """Publish the policy for a server engine: a complete HF dir under `root` (a collective; rank 0 writes).
+
+        The LM head is written explicitly even when tied (`serving_state_dict` says why)."""
+        state = full_hf_state_dict(self.policy)
+        if self.rank != 0:
+            return None
+        hf = self.policy.hf
+        names = {id(module): name for name, module in hf.named_modules()}
+        embed, head = names.get(id(hf.get_input_embeddings())), names.get(id(hf.get_output_embeddings()))
+        state = serving_state_dict(state, embed and f"{embed}.weight", head and f"{head}.weight")
+        return str(write_serving_dir(state, self.model_dir, root, version))
+
+    def _serving_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, parameter) of every weight a server loads, the LM head listed even when tied."""
+        hf = self.policy.hf
+        pairs = [(name.removeprefix("hf."), p) for name, p in self.policy.named_parameters()]
+        names = {id(module): name for name, module in hf.named_modules()}
+        head = names.get(id(hf.get_output_embeddings()))
+        if head and all(n != f"{head}.weight" for n, _ in pairs):
+            pairs.append((f"{head}.weight", hf.get_output_embeddings().weight))
+        return pairs
+
+    def init_weight_transfer(self, base_url: str, inference_world_size: int) -> tuple[str, int] | None:
+        """Rank 0 joins the server's NCCL weight-transfer group (GPU path; see rlpipe.rollout.nccl_transfer)."""
+        if self.rank != 0:
+            return None
+        from concurrent.futures import ThreadPoolExecutor
+
+        import ray
+
+        from rlpipe.rollout.http_json import request_json
+        from rlpipe.rollout.nccl_transfer import NCCLWeightSender, init_info, open_vllm_communicator
+
+        addr, port = ray.util.get_node_ip_address(), free_port()
+        body = {"init_info": init_info(addr, port, inference_world_size)}
+        with ThreadPoolExecutor(max_workers=1) as pool:  # both sides block in the rendezvous
+            answer = pool.submit(request_json, base_url.rstrip("/") + "/init_weight_transfer_engine", body)
+            communicator = open_vllm_communicator(addr, port, 1 + inference_world_size)
+            answer.result()
+        self._weight_sender = NCCLWeightSender(base_url, communicator)
+        return addr, port
+
+    def send_weights_nccl(self, version: int, bucket_bytes: int) -> int:
+        """Stream the policy to the server in buckets (a collective: under FSDP2 every rank gathers each bucket)."""
+        from rlpipe.rollout.nccl_transfer import iter_buckets
+
+        def materialize(t: torch.Tensor) -> torch.Tensor:
+            return t.full_tensor().detach() if hasattr(t, "full_tensor") else t.detach()
+
+        buckets = iter_buckets(self._serving_parameters(), bucket_bytes, materialize)
+        with torch.no_grad():
+            if self.rank != 0:
+                return sum(len(b) for b in buckets)  # join the gathers rank 0's buckets need
+            return self._weight_sender.send(buckets, version)

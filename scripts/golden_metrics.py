@@ -1,0 +1,109 @@
+"""Golden metrics: prove that a refactor changed no numbers.
+
+`record` runs `rlpipe run` twice on the same config, keeps the columns on which the two runs agree to the last bit
+(timings, memory and anything else this machine does not reproduce fall out by themselves), and writes them as JSON.
+`compare` runs once more and reports every cell that differs from the recorded file.
+
+    .venv/bin/python scripts/golden_metrics.py record tests/golden/hf-20.json --set iterations=20
+    .venv/bin/python scripts/golden_metrics.py record /tmp/vllm-6.json --set iterations=6 --set rollout.engine=vllm
+    .venv/bin/python scripts/golden_metrics.py compare tests/golden/hf-20.json
+
+`tests/integration/test_golden_metrics.py` runs `compare` for the HF file in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+EXPERIMENT = "golden"
+
+
+def run_once(overrides: list[str], workdir: Path, resume: bool = False) -> list[dict[str, float]]:
+    """Metrics rows of one `rlpipe run` in a fresh output and checkpoint root (the base model is built there too);
+    `resume` continues a checkpoint placed under `workdir/ckpt/golden/` beforehand."""
+    sets = [
+        *overrides,
+        f"output_dir={workdir / 'out'}",
+        f"checkpoint.root={workdir / 'ckpt'}",
+        f"experiment={EXPERIMENT}",
+    ]
+    cmd = [sys.executable, "-m", "rlpipe.cli", "run", *[a for s in sets for a in ("--set", s)]]
+    cmd += ["--resume"] if resume else []
+    # this checkout's code, in the driver and in the Ray workers it starts (they inherit the environment)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    lines = (workdir / "out" / EXPERIMENT / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def agreeing_columns(a: list[dict[str, float]], b: list[dict[str, float]]) -> list[str]:
+    """Keys present in every row of both runs with bit-equal values in every row."""
+    if len(a) != len(b):
+        raise SystemExit(f"the two runs have {len(a)} and {len(b)} rows")
+    keys = set.intersection(*(set(r) for r in a + b))
+    return sorted(k for k in keys if all(_same(x[k], y[k]) for x, y in zip(a, b, strict=True)))
+
+
+def _same(x: float, y: float) -> bool:
+    return json.dumps(x) == json.dumps(y)  # NaN == NaN, 0.0 != -0.0: the last bit, as JSON writes it
+
+
+def differences(golden: dict, rows: list[dict[str, float]]) -> list[str]:
+    """Every recorded cell the new rows do not reproduce, as readable lines."""
+    want = golden["rows"]
+    if len(want) != len(rows):
+        return [f"{len(rows)} rows, the golden file has {len(want)}"]
+    out = []
+    for i, (w, r) in enumerate(zip(want, rows, strict=True)):
+        for key, value in w.items():
+            if key not in r:
+                out.append(f"row {i}: {key} missing")
+            elif not _same(value, r[key]):
+                out.append(f"row {i}: {key} = {r[key]!r}, golden {value!r}")
+    return out
+
+
+def record(path: Path, overrides: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+        a, b = run_once(overrides, Path(d1)), run_once(overrides, Path(d2))
+    cols = agreeing_columns(a, b)
+    dropped = sorted(set().union(*(set(r) for r in a)) - set(cols))
+    golden = {"overrides": overrides, "columns": cols, "dropped": dropped,
+              "rows": [{k: r[k] for k in cols} for r in a]}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    print(f"{path}: {len(a)} rows, {len(cols)} reproducible columns; not reproducible here: {', '.join(dropped)}")
+
+
+def compare(path: Path) -> int:
+    golden = json.loads(path.read_text())
+    with tempfile.TemporaryDirectory() as d:
+        rows = run_once(golden["overrides"], Path(d))
+    diff = differences(golden, rows)
+    print("\n".join(diff) if diff else f"{path}: all {len(golden['columns'])} columns of {len(rows)} rows equal")
+    return 1 if diff else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["record", "compare"])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (record)")
+    args = parser.parse_args()
+    if args.action == "record":
+        record(args.path, args.set)
+        return 0
+    return compare(args.path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
