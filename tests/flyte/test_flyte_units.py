@@ -449,7 +449,7 @@ def test_export_hf_output_exists_on_every_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(common, "ensure_ray", lambda: None)
     monkeypatch.setattr(ray, "init", lambda **kw: None)
-    monkeypatch.setattr(phases.pipeline, "export_hf", fake_export)
+    monkeypatch.setattr(phases.phases, "export_hf", fake_export)
     for name in ("model", "ckpt"):
         (tmp_path / name).mkdir()
     config = json.dumps(load_config(overrides=tiny_overrides(tmp_path)).model_dump(mode="json"), sort_keys=True)

@@ -102,8 +102,10 @@ def test_resume_2_to_1_to_2_draws_the_same_data_and_continues_counters_and_lr(ru
     assert rows[-1]["lr"] == pytest.approx(TrainConfig().lr * 5 / 10)  # RL step 4 (0-based) of iteration 3
 
     want, got = ckpt.load_train_state(straight.checkpoint), ckpt.load_train_state(hop[-1].checkpoint)
-    for field in ("counters", "sampler", "sft_sampler", "extra"):
+    for field in ("sampler", "sft_sampler", "extra"):
         assert getattr(got, field) == getattr(want, field), field
+    tokens = {"consumed_tokens"}  # padding to a multiple of the dp size differs between world sizes
+    assert got.counters.model_dump(exclude=tokens) == want.counters.model_dump(exclude=tokens)
     assert [len(ckpt.load_train_state(s.checkpoint).worker_states) for s in hop] == [2, 1, 2]
     assert {w["optimizer_step"] for w in got.worker_states} == {6}
     reseeded = [m for m in runs["logs"] if "RNG is re-seeded" in m]

@@ -174,7 +174,7 @@ def test_driver_sigkilled_while_publishing_keeps_the_old_checkpoint(reference, t
     assert ckpt.list_checkpoints(root, EXP) == [first]
     assert ckpt.latest_checkpoint(root, EXP) == first
     ckpt.verify_checkpoint(first)
-    assert ckpt.load_train_state(first).iteration == 1
+    assert ckpt.load_train_state(first).counters.iteration == 1
     assert ckpt.remove_stale_temp_dirs(root, EXP, older_than_s=0) == [tmp_dir]
     # Ray reaps the dead driver's actors and placement group, so later tests (and jobs) get the CPUs back
     deadline = time.time() + 60
