@@ -215,7 +215,10 @@ def y_axis(values: list[float], min_span: float = 0.0) -> Axis:
 
 
 def _fmt(v: float) -> str:
-    """Tick label: 3 significant digits, no trailing noise."""
+    """Tick label: 3 significant digits; thousands as k and millions as M (tokens/s reads 85k, not 8.5e+04)."""
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(v) >= 10 * scale:
+            return f"{v / scale:.3g}{suffix}"
     return "0" if v == 0 else f"{v:.3g}"
 
 
