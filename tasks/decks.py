@@ -11,11 +11,11 @@ script or network, and a page is tens of kB (sizes in docs/FLYTE.md).
 
 from __future__ import annotations
 
-import base64
 import html
 import math
 import time
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import pandas as pd
 
@@ -382,9 +382,10 @@ def _cell(v: float) -> str:
 
 
 def csv_link(frame: pd.DataFrame) -> str:
-    """A download link carrying the rows as CSV in a data: URI (works offline, no server)."""
-    data = base64.b64encode(frame.to_csv(index=False).encode()).decode()
-    return f'<a download="metrics.csv" href="data:text/csv;base64,{data}">Download CSV ({len(frame)} rows)</a>'
+    """A download link carrying the rows as CSV in a data: URI (works offline, no server); percent-encoded, not
+    base64: a CSV is mostly digits and commas, so this is ~1.05x its size instead of 1.33x."""
+    data = quote(frame.to_csv(index=False, float_format="%.8g"), safe=",.-_")
+    return f'<a download="metrics.csv" href="data:text/csv;charset=utf-8,{data}">Download CSV ({len(frame)} rows)</a>'
 
 
 def table_html(rows: list[dict[str, float]]) -> str:

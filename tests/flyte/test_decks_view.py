@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import math
 import re
+from urllib.parse import unquote
 
 import pandas as pd
 import pytest
@@ -86,9 +86,13 @@ def test_csv_link_carries_every_row():
 
     rows = full_rows()
     page = table_html(rows)
-    data = re.search(r'href="data:text/csv;base64,([^"]+)"', page).group(1)
-    frame = pd.read_csv(io.StringIO(base64.b64decode(data).decode()))
-    assert len(frame) == len(rows) and frame.columns[0] == "iteration" and frame["loss"].iloc[0] == rows[0]["loss"]
+    data = re.search(r'href="data:text/csv;charset=utf-8,([^"]+)"', page).group(1)
+    frame = pd.read_csv(io.StringIO(unquote(data)))
+    assert (
+        len(frame) == len(rows)
+        and frame.columns[0] == "iteration"
+        and frame["loss"].iloc[0] == pytest.approx(rows[0]["loss"], rel=1e-7)
+    )
 
 
 def test_a_400_iteration_deck_page_stays_under_1_mb():
