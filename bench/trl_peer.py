@@ -184,6 +184,20 @@ def run_trl(root: Path, steps: int, rep: int, threads: int, micro_batch: int, ex
     return json.loads(out.read_text())
 
 
+BENCH_EXTRA_MODULES = ("datasets", "trl")  # what the `bench` extra brings that the TRL side imports
+
+
+def require_bench_extra() -> None:
+    """Fail with the install command, not `No module named 'datasets'` from inside a TRL worker's log."""
+    import importlib.util
+
+    missing = [m for m in BENCH_EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f'bench/trl_peer.py needs the `bench` extra (missing: {", ".join(missing)}): pip install -e ".[bench]"'
+        )
+
+
 def trl_worker(out: Path, root: Path, steps: int, rep: int, threads: int, micro_batch: int, extra: list[str]) -> None:
     """One TRL GRPOTrainer run with rlpipe's settings; writes per-step timings, rewards and token counts."""
     t_start = time.perf_counter()
@@ -426,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < SKIP + 1:
         ap.error(f"--steps must be at least {SKIP + 1} (the first {SKIP} are warm-up)")
 
+    require_bench_extra()
     if args.trl_worker is not None:
         trl_worker(args.trl_worker, args.root, args.steps, args.rep, args.trl_threads, args.trl_micro_batch, args.set)
         return 0

@@ -63,7 +63,12 @@ def _iteration_of(checkpoint: str | None) -> int:
 def _lineage(args: argparse.Namespace) -> int:
     from rlpipe.train.lineage import format_lineage, lineage_chain
 
-    print(format_lineage(lineage_chain(args.checkpoint), fmt=args.format))
+    if args.format == "json":
+        print(format_lineage(lineage_chain(args.checkpoint), fmt="json"))
+        return 0
+    from rlpipe.lineage_view import render_lineage  # text, html, mermaid, dot: re-hash every listed file
+
+    print(render_lineage(args.checkpoint, args.format), end="")
     return 0
 
 
@@ -95,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lineage = sub.add_parser("lineage", help="print the parent chain of a checkpoint (local path or URI)")
     lineage.add_argument("checkpoint")
-    lineage.add_argument("--format", choices=["text", "json"], default="text")
+    lineage.add_argument("--format", choices=["text", "json", "html", "mermaid", "dot"], default="text")
     lineage.set_defaults(func=_lineage)
 
     gguf = sub.add_parser("import-gguf", help="convert a GGUF file into a regular HF model directory")

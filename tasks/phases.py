@@ -128,6 +128,7 @@ class TrainOut(NamedTuple):
 def _finish(user, ckpt: Checkpoint, row: dict[str, float], title: str) -> TrainOut:
     decks = TrainingDecks(title, rows=checkpoint_metrics_history(ckpt.uri)[:-1])
     decks.add(row)
+    decks.set_lineage(ckpt.uri)
     decks.publish()
     return TrainOut(checkpoint=tag(CheckpointArtifact, ckpt, user.experiment, ckpt.step), metrics=row)
 

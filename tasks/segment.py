@@ -66,6 +66,7 @@ def rl_segment(config: str, base_model: FlyteDirectory, checkpoint: Checkpoint |
     else:
         final = storage.describe(result.checkpoint)
     decks.served = [s.model_dump() for s in read_manifest(result.checkpoint).served]
+    decks.set_lineage(final.uri)
     decks.publish()
     rows = [r for r in decks.rows if r.get("iteration", 0) > start_iteration]
     checkpoint = tag(CheckpointArtifact, final, user.experiment, final.step)
