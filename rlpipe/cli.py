@@ -16,12 +16,15 @@ def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from rlpipe.config import load_config, parse_override
+    from rlpipe.config_checks import check_roots_writable
+    from rlpipe.io import inside_root
     from rlpipe.loop import run_segment
     from rlpipe.schedule import Schedule
-    from rlpipe.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
+    from rlpipe.train.checkpoint import remove_stale_temp_dirs, resume_point
 
     cfg = load_config(args.config, dict(parse_override(o) for o in args.set))
-    checkpoint = latest_checkpoint(cfg.checkpoint.root, cfg.experiment)
+    check_roots_writable(cfg)  # before anything is created, and long before the first save
+    checkpoint = resume_point(cfg.checkpoint.root, cfg.experiment)  # a step dir that is no checkpoint: an error
     if checkpoint is not None and not args.resume:
         raise RlpipeError(
             f"experiment {cfg.experiment!r} already has checkpoints under {cfg.checkpoint_dir} (newest {checkpoint}); "
@@ -29,9 +32,10 @@ def _run(args: argparse.Namespace) -> int:
         )
     checkpoint = str(checkpoint) if checkpoint is not None else None
     remove_stale_temp_dirs(cfg.checkpoint.root, cfg.experiment)  # leftovers of killed runs (never read as latest)
-    metrics_path = Path(args.metrics or Path(cfg.output_dir) / cfg.experiment / "metrics.jsonl")
+    metrics_path = Path(args.metrics) if args.metrics else inside_root(cfg.output_dir, cfg.experiment, "metrics.jsonl")
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     done = _iteration_of(checkpoint)
+    trim_metrics(metrics_path, done)
     bar = tqdm(total=cfg.iterations, initial=done, desc=cfg.experiment, unit="it", file=sys.stderr)
     log = bar.write
 
@@ -50,6 +54,33 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps({"checkpoint": checkpoint, "metrics": str(metrics_path),
                       "wall_time_s": round(time.perf_counter() - start, 1)}))  # fmt: skip
     return 0
+
+
+def trim_metrics(path: Path, iteration: int) -> int:
+    """Keep only the metrics rows the checkpoint we start from covers (``iteration`` <= its iteration).
+
+    Why: a row is appended before its iteration's checkpoint is written, so a run killed in between left rows the
+    resume repeats (duplicates), and a kill mid-append a torn last line. Rewritten atomically; returns rows dropped.
+    """
+    from rlpipe.io import atomic_write_text
+
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = [line for line in lines if _row_iteration(line) is not None and _row_iteration(line) <= iteration]
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+def _row_iteration(line: str) -> float | None:
+    """The ``iteration`` of one metrics row, or None for a torn or foreign line."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    value = row.get("iteration") if isinstance(row, dict) else None
+    return value if isinstance(value, int | float) else None
 
 
 def _iteration_of(checkpoint: str | None) -> int:

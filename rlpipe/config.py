@@ -11,14 +11,22 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlpipe.config_checks import check_consistency
 from rlpipe.errors import ConfigError
+from rlpipe.io import NAME_PATTERN, check_name
 from rlpipe.models.tiny import TinyModelConfig
+
+SEED_LIMIT = 2**63
+"""Seeds are 0 <= seed < 2**63: numpy's SeedSequence refuses negatives and torch.manual_seed anything >= 2**64
+(measured: `Overflow when unpacking long long`); the headroom keeps `seed + rank` and the other offsets in range."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a NaN/inf float is never a useful setting, and inf would not survive the JSON trip to
+    # the workers (pydantic writes it as null).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -57,7 +65,14 @@ class DataConfig(_Strict):
     max_prompt_length: int = Field(64, ge=1, description="Prompts longer than this (in tokens) are an error.")
     prompt_key: str = Field("prompt", description="Column holding the prompt (chat messages or text).")
     apply_chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
-    seed: int = Field(0, description="Seed of the built-in task generator and of the prompt sampler's shuffle.")
+    seed: int = Field(
+        0, ge=0, lt=SEED_LIMIT, description="Seed of the built-in task generator and of the prompt sampler's shuffle."
+    )
+
+    @field_validator("task")
+    @classmethod
+    def _task_is_a_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_name(value, "data.task")
 
 
 class SFTConfig(_Strict):
@@ -154,8 +169,10 @@ class RolloutISConfig(_Strict):
     level: Literal["token", "sequence", "geometric"] = Field("token", description="Granularity of the weight.")
     mode: Literal["truncate", "mask", "both"] = Field("truncate", description="How weights outside bounds are handled.")
     upper: float = Field(2.0, gt=0, description="Upper threshold of the weight.")
-    lower: float | None = Field(None, description="Lower threshold (mask/both); default 1/upper.")
-    veto_threshold: float | None = Field(None, description="Zero a whole sequence if any token ratio is below this.")
+    lower: float | None = Field(None, gt=0, description="Lower threshold (mask/both); default 1/upper.")
+    veto_threshold: float | None = Field(
+        None, gt=0, description="Zero a whole sequence if any token ratio is below this."
+    )
 
 
 class AlgoConfig(_Strict):
@@ -203,7 +220,7 @@ class TrainConfig(_Strict):
         "collapses at 1e-3, where one update moves the tiny policy too far for rollout IS (bench/async_rollout.py).",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1) (torch's rule).")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warm-up.")
     warmup_steps: int = Field(
         10,
@@ -233,7 +250,7 @@ class TrainConfig(_Strict):
     pack_max_length: int = Field(
         2048, ge=8, description="Token budget of one packed micro-batch (2048: fastest measured for the tiny default)."
     )
-    seed: int = Field(0, description="Seed of model init, sampling and shuffles.")
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="Seed of model init, sampling and shuffles.")
     deterministic: bool = Field(True, description="torch deterministic algorithms (identical reruns on CPU).")
     ref_load_from: str | None = Field(None, description="Reference model dir for KL; None uses the base policy.")
     ref_offload: bool = Field(
@@ -282,6 +299,14 @@ class TrainConfig(_Strict):
         "first steps pay the compile time; meant for GPUs.",
     )
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        for i, beta in enumerate(value):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"train.betas[{i}]={beta} must be in [0, 1) (AdamW refuses it otherwise)")
+        return value
+
 
 class CheckpointConfig(_Strict):
     """Where checkpoints go and what they contain."""
@@ -303,7 +328,11 @@ class CheckpointConfig(_Strict):
 class PipelineConfig(_Strict):
     """Everything one RL run needs."""
 
-    experiment: str = Field("grpo-sum", description="Experiment name: checkpoint sub-directory and lineage key.")
+    experiment: str = Field(
+        "grpo-sum",
+        description="Experiment name: checkpoint sub-directory, metrics sub-directory and lineage key. One path "
+        f"component: `{NAME_PATTERN}`, no '..' (rlpipe.io.check_name).",
+    )
     output_dir: str = Field("runs", description="Base model, metrics.jsonl and generated data go here.")
     iterations: int = Field(400, ge=1, description="RL iterations in total.")
     segment_size: int = Field(100, ge=1, description="Iterations per Ray job in the segment workflow.")
@@ -318,46 +347,13 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:
-        if self.train.mixed_precision != "off" and self.model.dtype != "float32":
-            raise ValueError(
-                f"train.mixed_precision={self.train.mixed_precision} keeps float32 master weights and computes in "
-                f"bf16; model.dtype={self.model.dtype} would make the master weights low precision too: set "
-                "model.dtype=float32 (or mixed_precision=off to train fully in that dtype)"
-            )
-        if self.data.path is None and self.data.task is None:
-            raise ValueError("data: set either `path` (a prompt file) or `task` (a built-in task)")
-        if self.sft.enabled and self.sft.path is None and self.data.task is None:
-            raise ValueError("sft.enabled needs sft.path (an SFT file) or a built-in data.task to generate demos")
-        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
-        if self.train.pack_max_length < longest:
-            raise ValueError(
-                f"train.pack_max_length={self.train.pack_max_length} cannot hold the longest sequence "
-                f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
-            )
-        if self.rollout.engine in ("openai", "sglang") and not self.rollout.server_url:
-            raise ValueError(f"rollout.engine={self.rollout.engine} needs rollout.server_url")
-        if self.rollout.engine == "openai" and not self.algo.rollout_is.enabled:
-            raise ValueError(
-                "rollout.engine=openai never gives the server new weights, so every rollout after the first update "
-                "is off-policy: set algo.rollout_is.enabled=true to correct for it (see mismatch/* metrics), or use "
-                "rollout.engine=vllm / sglang, which sync the weights after every update"
-            )
-        _check_staleness(self)
-        max_model_len = self.rollout.vllm.max_model_len
-        if self.rollout.engine == "vllm" and max_model_len is not None and max_model_len < longest:
-            raise ValueError(
-                f"rollout.vllm.max_model_len={self.rollout.vllm.max_model_len} is shorter than the longest sequence "
-                f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
-            )
-        if self.rollout.engine == "sglang" and self.rollout.weight_sync.method == "nccl":
-            raise ValueError("rollout.weight_sync.method=nccl is vLLM's transfer; sglang syncs from disk")
-        if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
-            raise ValueError(
-                f"algo.advantage={self.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)"
-            )
-        if self.rollout.prompts_per_step % self.dp_size != 0:
-            raise ValueError("rollout.prompts_per_step must be a multiple of the data-parallel size")
+        check_consistency(self)
         return self
+
+    @field_validator("experiment")
+    @classmethod
+    def _experiment_is_a_name(cls, value: str) -> str:
+        return check_name(value, "experiment")
 
     @property
     def dp_size(self) -> int:
@@ -369,27 +365,6 @@ class PipelineConfig(_Strict):
         return Path(self.checkpoint.root) / self.experiment
 
 
-def _check_staleness(cfg: PipelineConfig) -> None:
-    """rollout.max_staleness >= 1 overlaps a server's sampling with training, which only a synced server allows."""
-    k = cfg.rollout.max_staleness
-    if k == 0:
-        return
-    if cfg.rollout.engine not in ("vllm", "sglang"):
-        why = (
-            "the hf engine samples inside the training workers, so sampling and training cannot overlap"
-            if cfg.rollout.engine == "hf"
-            else "the openai engine is never synced, so its staleness is not bounded by k"
-        )
-        raise ValueError(
-            f"rollout.max_staleness={k} needs a synced server engine (rollout.engine=vllm or sglang): {why}"
-        )
-    if not cfg.algo.rollout_is.enabled:
-        raise ValueError(
-            f"rollout.max_staleness={k} trains on batches sampled {k} update(s) ago: set "
-            "algo.rollout_is.enabled=true so rollout importance sampling corrects for the older policy"
-        )
-
-
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> PipelineConfig:
     """Read a YAML config (None = defaults), apply dotted `overrides`, validate; errors name the file and field."""
     raw: dict = {}
@@ -399,6 +374,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             loaded = yaml.safe_load(path.read_text())
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config {path} is not UTF-8 text: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):

@@ -15,7 +15,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import secrets
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,63 @@ def local_path(path: str | os.PathLike[str]) -> Path:
     if "://" in text:
         raise ConfigError(f"{text!r} is a URI; rlpipe writes local paths only (Flyte uploads finished outputs)")
     return Path(text)
+
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+"""A user-given name that becomes one path component or object-store key: 1-128 characters of ASCII letters,
+digits, ``.``, ``_`` and ``-``, starting with a letter or digit (so never ``.``, ``..``, absolute, hidden, or holding a
+separator, a control character, NUL or a newline)."""
+
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+def check_name(value: str, field: str) -> str:
+    """Return ``value`` if it is a safe name (``NAME_PATTERN``, no ``..``), else raise ValueError naming ``field``.
+
+    Why: names from a launch's inputs are joined onto shared roots; one with ``/`` or ``..`` would write into
+    another experiment's (or team's) directory.
+    """
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or ".." in value:
+        raise ValueError(
+            f"{field}={value!r} is not a valid name: use 1-128 characters of letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit, without '..' (it becomes one directory name)"
+        )
+    return value
+
+
+def inside_root(root: str | os.PathLike[str], *parts: str | os.PathLike[str]) -> Path:
+    """``root / parts`` after checking that it resolves inside ``root`` (symlinks and ``..`` followed).
+
+    Defence in depth for names that reach a write without config validation (a manifest, a Flyte input):
+    raises ConfigError naming the path and the root instead of writing outside it.
+    """
+    base = local_path(root)
+    target = base.joinpath(*parts)
+    for part in (os.fspath(p) for p in parts):
+        if any(ord(c) < 32 or ord(c) == 127 for c in part):
+            raise ConfigError(f"path component {part!r} under {base} holds a control character")
+    real_base, real_target = os.path.realpath(base), os.path.realpath(target)
+    if os.path.commonpath([real_base, real_target]) != real_base or (parts and real_target == real_base):
+        raise ConfigError(f"path {target} resolves to {real_target}, outside its root {real_base}; refusing to write")
+    return target
+
+
+def check_writable_dir(path: str | os.PathLike[str], key: str) -> None:
+    """Raise ConfigError naming ``key`` if ``path`` could not be created and written, without creating it.
+
+    Why: an unwritable checkpoint root used to be found at the first save, after a whole segment of training.
+    The nearest existing ancestor must be a directory in which a probe file can be created (and is removed).
+    """
+    p = Path(os.path.abspath(local_path(path)))
+    existing = next(a for a in (p, *p.parents) if os.path.lexists(a))
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={os.fspath(path)!r} cannot be created: {existing} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rlpipe-write-probe-", dir=existing)
+    except OSError as e:
+        raise ConfigError(f"{key}={os.fspath(path)!r} is not writable: {e}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -4,6 +4,8 @@ worker or node was lost (recoverable: the Flyte layer retries them from the last
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 WORKER_ENV = {
     "RAY_AUTH_MODE": "disabled",  # local Ray 2.60 otherwise asks for a token
@@ -31,6 +33,7 @@ def ensure_ray() -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", WORKER_ENV["RAY_AUTH_MODE"])
+    local = not os.environ.get("RAY_ADDRESS")
     ray.init(
         address=os.environ.get("RAY_ADDRESS"),
         ignore_reinit_error=True,
@@ -38,6 +41,8 @@ def ensure_ray() -> None:
         log_to_driver=True,
         runtime_env={"env_vars": dict(WORKER_ENV)},
     )
+    if local:
+        start_reaper()  # a killed driver must not leave this local Ray running
 
 
 def lost_worker_errors() -> tuple[type[BaseException], ...]:
@@ -45,3 +50,71 @@ def lost_worker_errors() -> tuple[type[BaseException], ...]:
     import ray.exceptions as rex
 
     return tuple(getattr(rex, name) for name in LOST_WORKER_ERRORS if hasattr(rex, name))
+
+
+_REAPER = r"""
+import os, signal, sys, time
+
+driver, interval, me = int(sys.argv[1]), float(sys.argv[2]), os.getpid()
+
+
+def stat(pid):
+    # (ppid, start time, state) of a process from /proc/<pid>/stat, or None once it is gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19]), fields[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def tree(roots):
+    # roots and all their live descendants, as {pid: start time}
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (s := stat(int(d))) is not None:
+            children.setdefault(s[0], []).append((int(d), s[1]))
+    out, todo = {}, list(roots)
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            if pid != me and pid not in out:
+                out[pid] = start
+                todo.append(pid)
+    return out
+
+
+tracked = {}
+while (s := stat(driver)) is not None and s[2] != "Z":
+    tracked.update(tree([driver]))
+    time.sleep(interval)
+tracked.update(tree(list(tracked)))
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for pid, start in tracked.items():
+        if (s := stat(pid)) is not None and s[1] == start:  # the same process, not a reused pid
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+    time.sleep(2.0)
+"""
+
+
+def start_reaper(interval_s: float = 0.5) -> subprocess.Popen | None:
+    """A watchdog that kills the processes this driver started (the local Ray head, its agents and workers, a managed
+    server) once the driver is gone, even by SIGKILL.
+
+    Why: Ray's head processes outlive a killed driver (its dashboard and runtime-env agents ignore SIGTERM), holding
+    CPUs and memory. The watchdog runs in its own session (a signal to the driver's group does not reach it), tracks
+    the driver's descendants while it lives, then sends SIGTERM and SIGKILL to those still alive (matched by start
+    time, so a reused pid is never hit). Linux only (/proc); elsewhere it returns None.
+    """
+    if not os.path.isdir("/proc/self"):
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(os.getpid()), str(interval_s)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlpipe.config import PipelineConfig
+from rlpipe.config import SEED_LIMIT, PipelineConfig
+from rlpipe.config_checks import check_roots_writable
 from rlpipe.data.batching import Batching
 from rlpipe.data.datasets import PromptDataset
 from rlpipe.data.loaders import load_prompts, load_sft
@@ -40,6 +41,7 @@ class RLSession:
 
     def __init__(self, cfg: PipelineConfig, model_dir: str, checkpoint: str | None = None, log=print):
         self.judge = get_judge(cfg.rollout.judge)  # an unknown judge fails here, not after Ray and a rollout
+        check_roots_writable(cfg)  # not at the first save, a segment later
         self.cfg, self.model_dir, self.log = cfg, model_dir, log
         self.schedule = Schedule(cfg)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
@@ -91,7 +93,7 @@ class RLSession:
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=[self.tokenizer.eos_token_id],
-            seed=self.cfg.train.seed * 100_003 + iteration,
+            seed=(self.cfg.train.seed * 100_003 + iteration) % SEED_LIMIT,  # torch.manual_seed takes < 2**64
         )
 
     def rollout(self) -> tuple[pd.DataFrame, dict[str, float]]:

@@ -88,7 +88,7 @@ def start_point(config: str, checkpoint: str = "", resume: bool = False) -> Chec
     if checkpoint:
         return storage.describe(checkpoint)
     if resume:
-        latest = storage.latest_location(decode_config(config))
+        latest = storage.resume_location(decode_config(config))  # refuses a step dir that is not a checkpoint
         return storage.describe(latest) if latest else None
     return None
 

@@ -18,7 +18,9 @@ import re
 from pathlib import Path
 
 from rlpipe.config import PipelineConfig
-from rlpipe.train.checkpoint import STEP_RE, latest_checkpoint
+from rlpipe.errors import CheckpointError
+from rlpipe.io import check_name
+from rlpipe.train.checkpoint import STEP_RE, latest_checkpoint, resume_point
 from rlpipe.train.lineage import MANIFEST_NAME, lineage_chain, read_manifest
 from tasks.types import Checkpoint
 
@@ -51,10 +53,36 @@ def latest_location(cfg: PipelineConfig) -> str | None:
     if not is_uri(root):
         found = latest_checkpoint(root, cfg.experiment)
         return str(found.absolute()) if found is not None else None
-    fs, base = _fs(root), posixpath.join(root, cfg.experiment)
+    return _scan_remote(root, cfg.experiment)[0]
+
+
+def resume_location(cfg: PipelineConfig) -> str | None:
+    """What `resume=True` starts from: the newest complete checkpoint, or None when there is no step dir at all.
+
+    A step dir that is not a complete checkpoint is a CheckpointError naming it (`checkpoint.resume_point`), so a
+    resume never silently starts over from the base model or an older step.
+    """
+    root = cfg.checkpoint.root.rstrip("/")
+    if not is_uri(root):
+        found = resume_point(root, cfg.experiment)
+        return str(found.absolute()) if found is not None else None
+    best, bad = _scan_remote(root, cfg.experiment)
+    if bad:
+        raise CheckpointError(
+            f"{', '.join(bad)}: looks like a checkpoint but is not a complete one (no readable complete "
+            "manifest.json for its step); refusing to resume past it. Inspect it, then remove it to resume from "
+            f"{best or 'the base model'}, or start from an explicit older checkpoint (the `checkpoint` input)"
+        )
+    return best
+
+
+def _scan_remote(root: str, experiment: str) -> tuple[str | None, list[str]]:
+    """(newest complete step dir, step dirs that are not complete checkpoints) under an object-store root."""
+    fs, base = _fs(root), posixpath.join(root, experiment)
     if not fs.exists(base):
-        return None
+        return None, []
     best: tuple[int, str] | None = None
+    bad: list[str] = []
     for entry in fs.ls(base, detail=False):
         name = posixpath.basename(entry.rstrip("/"))
         m = STEP_RE.match(name)
@@ -64,11 +92,15 @@ def latest_location(cfg: PipelineConfig) -> str | None:
         try:
             manifest = json.loads(fs.cat_file(posixpath.join(uri, MANIFEST_NAME)))
         except (FileNotFoundError, OSError, ValueError):
+            bad.append(uri)
             continue
-        if manifest.get("complete") is True and manifest.get("step") == int(m.group(1)):
-            if best is None or best[0] < int(m.group(1)):
-                best = (int(m.group(1)), uri)
-    return best[1] if best else None
+        if not (
+            isinstance(manifest, dict) and manifest.get("complete") is True and manifest.get("step") == int(m.group(1))
+        ):
+            bad.append(uri)
+        elif best is None or best[0] < int(m.group(1)):
+            best = (int(m.group(1)), uri)
+    return (best[1] if best else None), sorted(bad)
 
 
 def describe(location: str) -> Checkpoint:
@@ -100,7 +132,12 @@ def publish(
         return Checkpoint.from_dir(local_dir, uri=str(Path(local_dir).absolute()))
     _canonical_parent(Path(local_dir), Path(cfg.checkpoint.root).absolute(), remote_root, aliases or {})
     name = Path(local_dir).name
-    target = posixpath.join(remote_root, read_manifest(local_dir).experiment, name)
+    experiment = read_manifest(local_dir).experiment
+    try:
+        check_name(experiment, f"experiment of {local_dir}/{MANIFEST_NAME}")  # it becomes an object-store key
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    target = posixpath.join(remote_root, experiment, name)
     fs = _fs(target)
     files = sorted(p for p in Path(local_dir).rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     for path in [*files, Path(local_dir) / MANIFEST_NAME]:  # manifest last: it marks the checkpoint complete

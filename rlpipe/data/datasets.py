@@ -6,8 +6,10 @@ Columns (names configurable):
   string becomes a single user turn and goes through the same template when ``apply_chat_template=True``
   (default); with ``apply_chat_template=False`` the string is tokenized verbatim (no special tokens added), for
   base models prompted with raw text.
-- ``ground_truth``: top-level column, or verl's ``reward_model: {"ground_truth": ...}`` (top-level wins). Ints and
-  floats are turned into strings; anything else that is not a string is a DataError.
+- ``ground_truth``: top-level column, or verl's ``reward_model: {"ground_truth": ...}`` (top-level wins; a missing,
+  None or NaN top-level value falls back to it, else it is a DataError naming the row). Numbers become their text,
+  a whole float as its integer (``10.0`` -> ``"10"``: what pandas makes of an int column with a missing value must
+  still match ``10``); anything else that is not a string is a DataError.
 - ``data_source`` (optional, default ``"unknown"``) selects the judge; ``extra_info`` (optional dict) is passed to it.
 
 Every problem raises ``DataError`` naming the file, row and field. Rendering then encoding with
@@ -17,6 +19,7 @@ internally) and lets us keep the rendered text for logs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,10 +140,10 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def _ground_truth(raw: Mapping[str, Any], key: str, *, file: str, row: int) -> str:
-    """Top-level ground truth, else verl's reward_model.ground_truth; numbers become strings."""
+    """Top-level ground truth, else verl's reward_model.ground_truth; numbers become their text (`number_text`)."""
     value = raw.get(key)
     where = key
-    if value is None:
+    if _is_missing(value):
         reward_model = raw.get("reward_model")
         if isinstance(reward_model, Mapping) and reward_model.get("ground_truth") is not None:
             value, where = reward_model["ground_truth"], "reward_model.ground_truth"
@@ -155,6 +158,20 @@ def _ground_truth(raw: Mapping[str, Any], key: str, *, file: str, row: int) -> s
             raise DataError(f"missing column {key!r} (or reward_model.ground_truth)", file=file, row=row, field=key)
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise DataError(f"ground truth is {type(value).__name__}, expected str", file=file, row=row, field=where)
+    if _is_missing(value) or (isinstance(value, float) and not math.isfinite(value)):
+        raise DataError(f"ground truth is {value!r}, not a value a judge can match", file=file, row=row, field=where)
+    return value if isinstance(value, str) else number_text(value)
+
+
+def _is_missing(value: Any) -> bool:
+    """None or NaN: pandas and jsonl's ``NaN`` spell a missing value as a float NaN, never a truth to match."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def number_text(value: int | float) -> str:
+    """A number as a judge should see it: ints as themselves, a whole float as its integer (10.0 -> "10")."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
     return str(value)
 
 

@@ -13,6 +13,7 @@ from rlpipe.config import PipelineConfig
 from rlpipe.data.builtin_tasks import write_task_dataset
 from rlpipe.data.datasets import PromptDataset, load_prompt_dataset
 from rlpipe.data.sft import SFTDataset, load_sft_dataset
+from rlpipe.io import inside_root
 
 EVAL_SEED_OFFSET = 104729  # held-out prompts of a built-in task use another generator seed
 SFT_SEED_OFFSET = 7
@@ -24,7 +25,7 @@ def builtin_task_file(cfg: PipelineConfig, kind: str, n: int, seed: int, split: 
     """A built-in task's rows as parquet under `output_dir/data`, written on first use. ``split="eval"`` draws
     held-out problems (disjoint from every train problem for tasks that support it)."""
     suffix = "" if split == "train" else f"-{split}"
-    path = Path(cfg.output_dir) / "data" / f"{cfg.data.task}-{kind}-n{n}-seed{seed}{suffix}.parquet"
+    path = inside_root(cfg.output_dir, "data", f"{cfg.data.task}-{kind}-n{n}-seed{seed}{suffix}.parquet")
     if not path.exists():
         write_task_dataset(cfg.data.task, n, seed, path, kind=kind, split=split)
     return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,31 @@ def _parquet_rows(data: bytes, name: str) -> list[dict[str, Any]]:
         table = pq.read_table(io.BytesIO(data))
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise DataError(f"not a readable parquet file (truncated or corrupt?): {exc}", file=name) from exc
+    _warn_widened_int_columns(table, name)
     return table.to_pylist()
+
+
+def _warn_widened_int_columns(table: pa.Table, name: str) -> None:
+    """Report float columns that hold only whole numbers and some nulls: what pandas makes of an int column with
+    a missing value. Their values changed type (10 -> 10.0); readers that match them as text must know."""
+    for column_name, column in zip(table.column_names, table.columns, strict=True):
+        if not pa.types.is_floating(column.type):
+            continue
+        values = column.to_pylist()
+        present = [v for v in values if v is not None and v == v]  # v != v: NaN
+        missing = len(values) - len(present)
+        if missing and present and all(float(v).is_integer() for v in present):
+            warnings.warn(
+                f"file {name}, column {column_name!r}: {column.type} holding only whole numbers and "
+                f"{missing} missing value(s), as pandas writes an int column with a gap; its values are "
+                "read as floats (10 -> 10.0; ground truths are matched as their integers)",
+                WidenedColumnWarning,
+                stacklevel=3,
+            )
+
+
+class WidenedColumnWarning(UserWarning):
+    """A column's type changed its values (ints stored as floats because of a missing value)."""
 
 
 def _jsonl_rows(data: bytes, name: str) -> list[dict[str, Any]]:

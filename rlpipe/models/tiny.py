@@ -20,7 +20,7 @@ from rlpipe.models.tokenizer import build_tiny_tokenizer
 class TinyModelConfig(BaseModel):
     """Shape of the tiny default model (defaults: ~0.1M non-embedding params, trains in seconds on CPU)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     arch: Literal["qwen2", "llama"] = Field("qwen2", description="HF architecture family of the config.")
     hidden_size: int = Field(64, gt=0, description="Width of the residual stream.")

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import SequenceItem, pack_sequences, scatter_to_rows
+from rlpipe.io import inside_root
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.engine_sync import EngineSync
 from rlpipe.rollout.probe import ProbeSequence, build_probe, default_probe_tolerance
@@ -106,7 +107,7 @@ def build_rollout_source(
 def serving_root(cfg: PipelineConfig) -> Path:
     """Where published weights go (the server reads them): `weight_sync.dir`, else `<output_dir>/serving/<exp>`."""
     sync = cfg.rollout.weight_sync
-    return Path(sync.dir) if sync.dir else Path(cfg.output_dir) / "serving" / cfg.experiment
+    return Path(sync.dir) if sync.dir else inside_root(cfg.output_dir, "serving", cfg.experiment)
 
 
 def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer, prompts, log=print) -> EngineSync:

@@ -38,6 +38,7 @@ from rlpipe.io import (
     atomic_write_json,
     fsync_dir,
     fsync_tree,
+    inside_root,
     iter_files,
     local_path,
     sha256_file,
@@ -66,9 +67,8 @@ def step_dir_name(step: int) -> str:
 
 
 def experiment_dir(root: str | os.PathLike[str], experiment: str | None = None) -> Path:
-    """``<root>/<experiment>``, or ``root`` itself when ``experiment`` is None."""
-    base = local_path(root)
-    return base / experiment if experiment else base
+    """``<root>/<experiment>``, or ``root`` itself when ``experiment`` is None; refuses a name escaping ``root``."""
+    return inside_root(root, experiment) if experiment is not None else local_path(root)
 
 
 def _complete_manifest(path: Path) -> Manifest | None:
@@ -105,6 +105,35 @@ def latest_checkpoint(root: str | os.PathLike[str], experiment: str | None = Non
     """Newest complete checkpoint by step, or None if there is none."""
     found = list_checkpoints(root, experiment)
     return found[-1] if found else None
+
+
+def unusable_step_dirs(root: str | os.PathLike[str], experiment: str | None = None) -> list[Path]:
+    """``step-NNNNNN`` entries that ``list_checkpoints`` skips: no, unreadable, incomplete or misnamed manifest."""
+    d = experiment_dir(root, experiment)
+    if not d.is_dir():
+        return []
+    return sorted(c for c in d.iterdir() if STEP_RE.match(c.name) and _complete_manifest(c) is None)
+
+
+def resume_point(root: str | os.PathLike[str], experiment: str | None = None) -> Path | None:
+    """The newest complete checkpoint to resume from, or None when the experiment has no step dir at all.
+
+    Why not ``latest_checkpoint``: it skips a step dir it cannot read, so a resume after the newest checkpoint was
+    corrupted would silently start over (or continue from an older step), losing the work without a word. Any
+    ``step-NNNNNN`` entry that is not a complete checkpoint is a CheckpointError that names it and says what to do.
+    """
+    bad = unusable_step_dirs(root, experiment)
+    if bad:
+        good = latest_checkpoint(root, experiment)
+        then = f"the newest complete checkpoint, {good}" if good else "the base model (there is no complete one)"
+        raise CheckpointError(
+            f"{', '.join(map(str, bad))}: looks like a checkpoint but is not a complete one (missing, unreadable or "
+            "incomplete manifest.json, or a manifest for another step); refusing to resume past it. Inspect it, "
+            f"then move it out of {experiment_dir(root, experiment)} (or rename it so it no longer matches "
+            f"step-NNNNNN) to resume from {then}, or start from an explicit older checkpoint "
+            "(the workflow's `checkpoint` input)"
+        )
+    return latest_checkpoint(root, experiment)
 
 
 # ------------------------------------------------------------------------------------------------ atomic publish
@@ -244,6 +273,8 @@ def verify_checkpoint(
             raise CheckpointError(f"checkpoint {ckpt}: file {rel} listed in the manifest is missing")
         if sha256_file(f) != digest:
             raise CheckpointError(f"checkpoint {ckpt}: file {rel} does not match its sha256 (corrupted or tampered)")
+    if TRAIN_STATE_NAME in manifest.files:
+        _check_state_matches(ckpt, manifest)
     weights = ckpt / WEIGHTS_DIR
     if weights.is_dir():
         unlisted = [f"{WEIGHTS_DIR}/{r}" for r in iter_files(weights) if f"{WEIGHTS_DIR}/{r}" not in manifest.files]
@@ -262,13 +293,28 @@ def verify_checkpoint(
     return manifest
 
 
+def _check_state_matches(ckpt: Path, manifest: Manifest) -> None:
+    """train_state.json must be of this schema and at the manifest's iteration and step (else a resume repeats or
+    skips iterations: counters, samplers and LR would not match the weights)."""
+    counters = load_train_state(ckpt).counters
+    for name in ("iteration", "step"):
+        have, want = getattr(counters, name), getattr(manifest, name)
+        if have != want:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: {TRAIN_STATE_NAME} says counters.{name}={have} but {MANIFEST_NAME} says "
+                f"{name}={want}; the two files disagree"
+            )
+
+
 # ---------------------------------------------------------------------------------------------------- train state
 
 
 class Counters(BaseModel):
-    """How far a run is: the one counter schema of the session, ``train_state.json`` and the Flyte types."""
+    """How far a run is: the one counter schema of the session, ``train_state.json`` and the Flyte types.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict: a counter written as a string or a float is a corrupt state file, not a number to coerce."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     iteration: int = Field(0, ge=0, description="RL iterations completed.")
     step: int = Field(0, ge=0, description="Optimizer steps taken (RL and SFT): the weights' version.")

@@ -70,7 +70,7 @@ def test_begin_finalize_layout_and_checksums(tmp_path):
     assert ck.latest_checkpoint(tmp_path, EXP) is None  # a temp dir never counts
     (tmp / "weights").mkdir()
     (tmp / "weights" / ".metadata").write_bytes(b"m")
-    ck.write_train_state(tmp, ck.TrainState(step=42, iteration=3))
+    ck.write_train_state(tmp, ck.TrainState(step=42, iteration=42))  # must agree with the manifest
     final = ck.finalize_checkpoint(tmp, manifest_for(42))
     assert final == tmp_path / EXP / "step-000042" and not tmp.exists()
     m = read_manifest(final)

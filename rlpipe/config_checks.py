@@ -1,0 +1,89 @@
+"""The cross-field rules of a PipelineConfig: values each valid alone that cannot run together.
+
+Kept beside `rlpipe.config` (which calls `check_consistency` from its model validator) so the field definitions and
+the rules between them each stay one short file. Every rule raises ValueError; pydantic turns it into the
+ConfigError `rlpipe.config.validate_config` raises, naming the keys.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlpipe.config import PipelineConfig
+
+
+def check_consistency(cfg: PipelineConfig) -> None:
+    """Every cross-field rule, in the order a user is most likely to trip them."""
+    if cfg.train.mixed_precision != "off" and cfg.model.dtype != "float32":
+        raise ValueError(
+            f"train.mixed_precision={cfg.train.mixed_precision} keeps float32 master weights and computes in "
+            f"bf16; model.dtype={cfg.model.dtype} would make the master weights low precision too: set "
+            "model.dtype=float32 (or mixed_precision=off to train fully in that dtype)"
+        )
+    if cfg.data.path is None and cfg.data.task is None:
+        raise ValueError("data: set either `path` (a prompt file) or `task` (a built-in task)")
+    if cfg.sft.enabled and cfg.sft.path is None and cfg.data.task is None:
+        raise ValueError("sft.enabled needs sft.path (an SFT file) or a built-in data.task to generate demos")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if cfg.train.pack_max_length < longest:
+        raise ValueError(
+            f"train.pack_max_length={cfg.train.pack_max_length} cannot hold the longest sequence "
+            f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
+        )
+    if cfg.rollout.engine in ("openai", "sglang") and not cfg.rollout.server_url:
+        raise ValueError(f"rollout.engine={cfg.rollout.engine} needs rollout.server_url")
+    if cfg.rollout.engine == "openai" and not cfg.algo.rollout_is.enabled:
+        raise ValueError(
+            "rollout.engine=openai never gives the server new weights, so every rollout after the first update "
+            "is off-policy: set algo.rollout_is.enabled=true to correct for it (see mismatch/* metrics), or use "
+            "rollout.engine=vllm / sglang, which sync the weights after every update"
+        )
+    _check_staleness(cfg)
+    max_model_len = cfg.rollout.vllm.max_model_len
+    if cfg.rollout.engine == "vllm" and max_model_len is not None and max_model_len < longest:
+        raise ValueError(
+            f"rollout.vllm.max_model_len={cfg.rollout.vllm.max_model_len} is shorter than the longest sequence "
+            f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
+        )
+    if cfg.rollout.engine == "sglang" and cfg.rollout.weight_sync.method == "nccl":
+        raise ValueError("rollout.weight_sync.method=nccl is vLLM's transfer; sglang syncs from disk")
+    if cfg.algo.advantage in ("grpo", "rloo") and cfg.rollout.n < 2:
+        raise ValueError(f"algo.advantage={cfg.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)")
+    if cfg.rollout.prompts_per_step % cfg.dp_size != 0:
+        raise ValueError("rollout.prompts_per_step must be a multiple of the data-parallel size")
+
+
+def _check_staleness(cfg: PipelineConfig) -> None:
+    """rollout.max_staleness >= 1 overlaps a server's sampling with training, which only a synced server allows."""
+    k = cfg.rollout.max_staleness
+    if k == 0:
+        return
+    if cfg.rollout.engine not in ("vllm", "sglang"):
+        why = (
+            "the hf engine samples inside the training workers, so sampling and training cannot overlap"
+            if cfg.rollout.engine == "hf"
+            else "the openai engine is never synced, so its staleness is not bounded by k"
+        )
+        raise ValueError(
+            f"rollout.max_staleness={k} needs a synced server engine (rollout.engine=vllm or sglang): {why}"
+        )
+    if not cfg.algo.rollout_is.enabled:
+        raise ValueError(
+            f"rollout.max_staleness={k} trains on batches sampled {k} update(s) ago: set "
+            "algo.rollout_is.enabled=true so rollout importance sampling corrects for the older policy"
+        )
+
+
+def check_roots_writable(cfg: PipelineConfig) -> None:
+    """The roots a run writes under can be created and written (checked before Ray, creating nothing).
+
+    Why: an unwritable `checkpoint.root` used to fail at the first save, after a whole segment of training.
+    """
+    from rlpipe.io import check_writable_dir
+
+    check_writable_dir(cfg.checkpoint.root, "checkpoint.root")
+    check_writable_dir(cfg.output_dir, "output_dir")
+    sync = cfg.rollout.weight_sync
+    if cfg.rollout.engine in ("vllm", "sglang") and sync.method == "disk" and sync.dir:
+        check_writable_dir(sync.dir, "rollout.weight_sync.dir")
