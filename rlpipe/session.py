@@ -48,10 +48,10 @@ class RLSession:
         _check_vocab(self.tokenizer, model_dir)
         self.prompts = load_prompts(cfg, self.tokenizer, "train")
         self._eval_prompts: PromptDataset | None = None
-        self.sampler = EpochSampler(len(self.prompts), cfg.rollout.prompts_per_step, seed=cfg.data.seed)
+        self.sampler = _sampler(self.prompts, cfg.rollout.prompts_per_step, cfg.data.seed, "rollout.prompts_per_step")
         self.sft_data = load_sft(cfg, self.tokenizer) if cfg.sft.enabled else None
         self.sft_sampler = (
-            EpochSampler(len(self.sft_data), cfg.sft.global_batch_size, seed=cfg.train.seed + 1)
+            _sampler(self.sft_data, cfg.sft.global_batch_size, cfg.train.seed + 1, "sft.global_batch_size")
             if self.sft_data is not None
             else None
         )
@@ -199,6 +199,14 @@ class RLSession:
                 self.rollout_source.close()
         finally:
             self.controller.shutdown()
+
+
+def _sampler(data, batch_size: int, seed: int, key: str) -> EpochSampler:
+    """The sampler over a dataset; a batch the data cannot fill names the config key and the file."""
+    try:
+        return EpochSampler(len(data), batch_size, seed=seed)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}={batch_size} with {data.path} ({len(data)} rows): {exc}") from None
 
 
 def _check_vocab(tokenizer, model_dir: str) -> None:

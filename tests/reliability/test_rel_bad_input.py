@@ -217,3 +217,15 @@ def test_batch_file_missing_a_column_names_it(tmp_path):
     with pytest.raises(DataError) as info:
         read_batch(path)
     assert info.value.file == str(path) and info.value.field == "sample_index"
+
+
+def test_a_prompt_file_too_small_for_one_batch_names_the_key_and_the_file(tmp_path, shared_out, base_model_dir):
+    """Before: `batch_size 8 exceeds the 3 examples ...`, naming neither `rollout.prompts_per_step` nor the data file.
+    Found while opening the session, before any Ray worker starts."""
+    from rlpipe.config import load_config
+    from rlpipe.session import RLSession
+
+    data = write_task_dataset("count", 3, 0, tmp_path / "three.parquet")
+    cfg = load_config(overrides=fast_overrides(shared_out, **{"data.path": str(data), "rollout.prompts_per_step": 8}))
+    with pytest.raises(ConfigError, match=r"rollout\.prompts_per_step=8 with .*three\.parquet \(3 rows\)"):
+        RLSession(cfg, base_model_dir, log=lambda _m: None)
