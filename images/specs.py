@@ -42,7 +42,6 @@ PINNED_PACKAGES = [
     "flytekitplugins-deck-standard==1.16.31",
     "kubernetes==37.0.1",
     "python-dateutil==2.9.0.post0",
-    "plotly==7.1.0",
     "matplotlib==3.11.2",
 ]
 """The runtime pins of pyproject.toml `[project].dependencies`, verbatim (a test keeps them equal). Written out

@@ -335,9 +335,8 @@ def panel_svg(title: str, panel: Panel, frame: pd.DataFrame) -> str:
     )
 
 
-def curves_html(rows: list[dict[str, float]], include_plotlyjs: bool | str = False) -> str:
-    """The panels as an HTML fragment (inline SVG, no script); `include_plotlyjs` is ignored (kept for callers)."""
-    del include_plotlyjs
+def curves_html(rows: list[dict[str, float]]) -> str:
+    """The panels as an HTML fragment (inline SVG, no script)."""
     if not rows:
         return STYLE + '<div class="rl-deck"><p>no iterations yet</p></div>'
     frame = _with_derived(metrics_frame(rows))

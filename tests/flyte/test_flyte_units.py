@@ -217,7 +217,7 @@ def test_curves_and_table_html_show_every_panel_and_value():
     from tasks.decks import PANELS, curves_html, table_html
 
     rows = [{"iteration": 1.0, "reward_mean": 0.125, "kl": 0.5}, {"iteration": 2.0, "reward_mean": 0.25}]
-    page = curves_html(rows, include_plotlyjs=False)
+    page = curves_html(rows)
     for title in PANELS:
         assert title in page
     assert "reward_mean" in page and '"kl"' in page
@@ -255,7 +255,7 @@ def test_decks_are_published_while_a_task_runs(tmp_path):
 
 
 def test_training_decks_first_publish_waits_for_the_interval(monkeypatch):
-    """A segment's first iteration must not render the decks (a 5 MB plotly page per segment start)."""
+    """A segment's first iteration must not render the decks (a page per segment start)."""
     from tasks import decks as decks_mod
 
     clock = [100.0]
