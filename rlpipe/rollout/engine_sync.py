@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlpipe.errors import RolloutServerError, WeightSyncError
 from rlpipe.rollout.engine import Generation, SamplingParams
@@ -53,6 +53,7 @@ class SyncStats:
     probe_inconclusive: float = 0.0  # 1: the update was too small for the relative check (or no previous version)
     check_time_s: float = 0.0  # the part of load + verify spent on the stale-engine checks (relative, engine-side)
     restarts: int = 0
+    evidence: dict[str, float] = field(default_factory=dict)  # the engine's own checks (`last_check_metrics`)
 
     def sync_metrics(self) -> dict[str, float]:
         """What syncing cost and how close the probe came: the `engine/*` columns of a sync."""
@@ -72,6 +73,7 @@ class SyncStats:
             "engine/probe_separation": self.probe_separation,
             "engine/probe_inconclusive": self.probe_inconclusive,
             "engine/check_time_s": self.check_time_s,
+            **self.evidence,
         }
 
     def row(self, version: int | None) -> dict[str, float]:
@@ -154,6 +156,7 @@ class EngineSync:
         self.stats.load_time_s += loaded - published
         self.stats.verify_time_s += time.perf_counter() - loaded
         self.stats.check_time_s += getattr(self.engine, "last_check_s", 0.0)  # engine-side evidence, in load_time_s
+        self.stats.evidence = dict(getattr(self.engine, "last_check_metrics", {}))
 
     def _set_probe(self, version: int, trainer_lp: list[list[float]]) -> None:
         """Cache `version`'s trainer probe; the one it replaces becomes the previous version's."""
