@@ -1,18 +1,24 @@
 """The weight-sync probe's blind spot (issue 33): does an engine that skipped a load pass the probe?
 
 One vLLM CPU server (float32: this CPU cannot serve bf16 reliably, so the bf16 tolerance 0.1 is applied to a float32
-engine) on the tiny default model. For each learning rate the trainer (an HF model in this process) takes one AdamW
+engine) on the tiny default model or SmolLM2-135M-Instruct (`--model smollm2`, imported once from the bench extra's
+GGUF like `bench/smollm2.py`). For each learning rate the trainer (an HF model in this process) takes one AdamW
 step on a GRPO-style loss and publishes the new version; the probe is scored by the engine before the load (stale)
 and after it (synced), and judged by the absolute check (float32 tolerance 1e-3, bf16 tolerance 0.1), by the
 relative check (`relative_probe`), and by the engine-side checksums (`VLLMEngine._check_load`).
 
-Run: `PYTHONPATH=. .venv/bin/python bench/sync_blind_spot.py --lrs 1e-5 1e-4 1e-3` (one server start, ~90 s).
+Run (one server start each, ~2 and ~4 min on 2 idle cores; each writes its own section of bench/RESULTS.md):
+
+    PYTHONPATH=. .venv/bin/python bench/sync_blind_spot.py --lrs 1e-6 1e-5 1e-4 1e-3
+    PYTHONPATH=. .venv/bin/python bench/sync_blind_spot.py --model smollm2 --lrs 1e-7 1e-6 1e-5 --probe-tokens 64
+
 `tests/integration/test_sync_checks_vllm.py` uses this module's harness.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -30,7 +36,7 @@ VLLM_PYTHON = str(REPO / ".venv-vllm" / "bin" / "python")
 class Trainer:
     """The tiny default model, one AdamW step at a time, publishing serving directories like `export_serving`."""
 
-    def __init__(self, model_dir: str, root: Path, seed: int = 0):
+    def __init__(self, model_dir: str, root: Path, seed: int = 0, probe_tokens: int = 16):
         from transformers import AutoModelForCausalLM
 
         self.model_dir, self.root = model_dir, root
@@ -39,7 +45,7 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(seed)
         self.probe = [
             ProbeSequence(torch.randint(3, self.vocab, (4,), generator=self.gen).tolist(),
-                          torch.randint(3, self.vocab, (16,), generator=self.gen).tolist())
+                          torch.randint(3, self.vocab, (probe_tokens,), generator=self.gen).tolist())
             for _ in range(4)
         ]  # fmt: skip
         self.version = 0
@@ -89,8 +95,9 @@ def measure(engine, trainer: Trainer, lrs: list[float]) -> list[dict]:
         old = trainer.probe_logprobs(trainer.probe)
         trainer.step(lr)
         new = trainer.probe_logprobs(trainer.probe)
+        start = time.perf_counter()
         path = trainer.publish()
-        row = {"lr": lr}
+        row = {"lr": lr, "publish_s": time.perf_counter() - start}
         for state in ("stale", "synced"):
             if state == "synced":
                 start = time.perf_counter()
@@ -119,45 +126,69 @@ def _verdict(row: dict, state: str, tol_name: str, tol: float) -> str:
     return f"{absolute} / {relative} (sep {row[f'{state}_{tol_name}_sep']:+.2f})"
 
 
+def _model_dir(name: str, tmp: Path) -> tuple[str, str]:
+    """(directory, description) of the model to measure: the tiny default, or SmolLM2-135M imported once."""
+    if name == "tiny":
+        from rlpipe.models.tiny import create_tiny_model_dir
+
+        return str(create_tiny_model_dir(tmp / "base")), "Tiny default model"
+    from bench.smollm2 import default_model_dir, ensure_model
+
+    return ensure_model(default_model_dir("float32"), "float32"), "SmolLM2-135M-Instruct (float32)"
+
+
+def _body(rows: list[dict], model: str, probe_tokens: int) -> str:
+    from bench._common import table
+
+    verdicts = []
+    for r in rows:
+        for state in ("stale", "synced"):
+            verdicts.append([f"{r['lr']:g}", f"{r['update_max']:.3g}", state, f"{r[f'{state}_max']:.3g}",
+                             _verdict(r, state, "fp32", 1e-3), _verdict(r, state, "bf16", 0.1)])  # fmt: skip
+    cost = []
+    for r in rows:
+        sync = r["publish_s"] + r["load_s"] + r["synced_score_s"]
+        cost.append([f"{r['lr']:g}", f"{r['publish_s']:.3f}", f"{r['load_s']:.3f}", f"{r['check_s']:.3f}",
+                     f"{r['synced_score_s']:.3f}", f"{r['check_s'] / sync:.1%}",
+                     f"{r.get('engine/checksum_params_moved', float('nan')):g}"])  # fmt: skip
+    return (
+        f"{model}, vLLM CPU float32 engine, probe 4 x {probe_tokens} tokens; the bf16 column applies the bf16 "
+        "tolerance (0.1) and noise (0.025) to this float32 engine. lrs are successive AdamW steps. Verdict = "
+        "absolute check / relative check (separation: +1 synced, -1 stale). Before issue 33 only the absolute check "
+        "ran.\n\n"
+        + table(["lr", "update max", "engine", "max engine-trainer", "fp32 tol 1e-3", "bf16 tol 0.1"], verdicts)
+        + "\n\nCost per sync (seconds): publish (write the serving dir), load incl. the engine-side checks "
+        "(version read-back, one checksum call, the published tensors' digests), of which checks, and the probe "
+        "scoring the absolute check already did; checks / sync = checks / (publish + load + probe).\n\n"
+        + table(["lr", "publish", "load", "checks", "probe", "checks / sync", "params moved"], cost)
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    from bench._common import table, write_section
-    from rlpipe.models.tiny import create_tiny_model_dir
+    from bench._common import write_section
     from rlpipe.rollout.vllm_engine import VLLMEngine
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3])
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5, 1e-4, 1e-3])
+    ap.add_argument("--probe-tokens", type=int, default=16)
     ap.add_argument("--results", type=Path, default=None)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rlpipe-blind-") as tmp:
-        base = create_tiny_model_dir(Path(tmp) / "base")
-        server = start_server(base, str(Path(tmp) / "vllm.log"))
+        model_dir, model = _model_dir(args.model, Path(tmp))
+        server = start_server(model_dir, str(Path(tmp) / "vllm.log"))
         try:
             engine = VLLMEngine(server.base_url, "policy", None)
-            rows = measure(engine, Trainer(base, Path(tmp) / "serving"), args.lrs)
+            trainer = Trainer(model_dir, Path(tmp) / "serving", probe_tokens=args.probe_tokens)
+            rows = measure(engine, trainer, args.lrs)
         finally:
             server.stop()
-    body_rows = []
-    for r in rows:
-        for state in ("stale", "synced"):
-            body_rows.append([f"{r['lr']:g}", f"{r['update_max']:.3g}", state, f"{r[f'{state}_max']:.3g}",
-                              _verdict(r, state, "fp32", 1e-3), _verdict(r, state, "bf16", 0.1)])  # fmt: skip
-    cost = [[f"{r['lr']:g}", f"{r['load_s']:.3f}", f"{r['check_s']:.3f}", f"{r['synced_score_s']:.3f}",
-             f"{r['check_s'] / r['load_s']:.0%}", f"{r.get('engine/checksum_params_moved', float('nan')):g}"]
-            for r in rows]  # fmt: skip
-    body = (
-        "Tiny default model, vLLM CPU float32 engine; the bf16 column applies the bf16 tolerance (0.1) and noise "
-        "(0.025) to this float32 engine. Verdict = absolute check / relative check (separation: +1 synced, -1 "
-        "stale).\n\n"
-        + table(["lr", "update max", "engine", "max engine-trainer", "fp32 tol 1e-3", "bf16 tol 0.1"], body_rows)
-        + "\n\nCost per sync (seconds): load incl. engine-side checks (version read-back + 1 checksum call + the "
-        "published tensors' digests), of which checks; the probe scoring the absolute check already did.\n\n"
-        + table(["lr", "load", "checks", "probe scoring", "checks / load", "params moved"], cost)
-    )
+    body = _body(rows, model, args.probe_tokens) + f"\n\nLoad average (1/5/15 min) at the end: {os.getloadavg()}."
     print(body)
     if not args.no_write:
-        write_section("Weight-sync blind spot: stale vs synced engine (issue 33)", body, args.results, __file__,
-                      argv if argv is not None else sys.argv[1:])  # fmt: skip
+        write_section(f"Weight-sync blind spot, {args.model}: stale vs synced engine (issue 33)", body, args.results,
+                      __file__, argv if argv is not None else sys.argv[1:])  # fmt: skip
 
 
 if __name__ == "__main__":
