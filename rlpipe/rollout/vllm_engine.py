@@ -68,12 +68,18 @@ class VLLMEngine:
         return self.base_url + route
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        client = OpenAIRolloutEngine(
+    def _client(self) -> OpenAIRolloutEngine:
+        return OpenAIRolloutEngine(
             self.base_url, self.model_name, timeout_s=self.timeout_s, max_retries=self.max_retries,
             eos_token_id=self.eos_token_id, max_concurrency=16,
         )  # fmt: skip
-        return client.generate(prompts, params)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        return self._client().generate(prompts, params)
+
+    def generate_each(self, prompts: list[list[int]], params: SamplingParams, indices: list[int]):
+        """Per-prompt results and failures (`OpenAIRolloutEngine.generate_each`): what a replica pool re-sends."""
+        return self._client().generate_each(prompts, params, indices)
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Logprob of each response token under the served weights, from `prompt_logprobs` (raw logits, T=1)."""
