@@ -20,7 +20,14 @@ from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.http_json import request_json
 from rlpipe.rollout.openai_engine import OpenAIRolloutEngine
 from rlpipe.rollout.vllm_process import VLLMServer
-from rlpipe.rollout.weight_evidence import check_checksums_moved, published_digests
+from rlpipe.rollout.weight_evidence import (
+    check_checksums_moved,
+    engine_param_name,
+    observable_names,
+    published_digests,
+    published_names,
+    strip_rank,
+)
 
 
 class VLLMEngine:
@@ -134,25 +141,42 @@ class VLLMEngine:
                                   f"version {version}: the load did not complete")  # fmt: skip
         if self.check_checksums and before is not None:
             after = self.weight_checksums()
-            new = self._published(self.served_dir)
-            old = self._published(previous_dir) if previous_dir else None
-            if old is not None:
-                changed = {n for n, d in new.items() if n in old and old[n] != d}
-                if "lm_head.weight" not in new and "model.embed_tokens.weight" in changed:
-                    changed.add("lm_head.weight")  # a tied head follows the embedding (unmapped if vLLM shares it)
-                unchanged = {n for n, d in new.items() if old.get(n) == d}
+            diff = self._published_diff(previous_dir, before)
+            if diff is not None:
+                changed, unchanged, unobservable = diff
                 strict = self.published_dtype == (self.server.spec.dtype if self.server else self.published_dtype)
                 self.last_check_metrics = check_checksums_moved(
                     before, after, changed, unchanged, self.name, version, strict
                 )
+                # not hashed, so not in `changed`: counted here (vLLM CPU's packed linear weights)
+                hidden = {engine_param_name(n) for n in unobservable} & strip_rank(after).keys()
+                self.last_check_metrics["engine/checksum_params_unobservable"] = float(len(hidden))
             self._engine_checksums = after
             self._digests = {k: v for k, v in self._digests.items() if k == self.served_dir}
         self.last_check_s = time.perf_counter() - start
 
-    def _published(self, serving_dir: str) -> dict[str, str] | None:
+    def _published_diff(self, previous_dir: str | None, before: dict[str, str]):
+        """(changed, unchanged, unobservable) HF tensor names between the previous and the served directory,
+        hashing only tensors whose engine checksum can move; None when either directory cannot be read."""
+        try:
+            names = published_names(self.served_dir)
+        except OSError:
+            return None
+        observable = observable_names(names, before)
+        new = self._published(self.served_dir, observable)
+        old = self._published(previous_dir, observable) if previous_dir else None
+        if new is None or old is None:
+            return None
+        changed = {n for n, d in new.items() if n in old and old[n] != d}
+        if "lm_head.weight" not in new and "model.embed_tokens.weight" in changed:
+            changed.add("lm_head.weight")  # a tied head follows the embedding (unmapped if vLLM shares it)
+        unchanged = {n for n, d in new.items() if old.get(n) == d}
+        return changed, unchanged, set(names) - observable
+
+    def _published(self, serving_dir: str, names: set[str]) -> dict[str, str] | None:
         if serving_dir not in self._digests:
             try:
-                self._digests[serving_dir] = published_digests(serving_dir)
+                self._digests[serving_dir] = published_digests(serving_dir, names)
             except (OSError, FileNotFoundError):
                 return None  # e.g. the previous directory was pruned: nothing to diff against
         return self._digests[serving_dir]

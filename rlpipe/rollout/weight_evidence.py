@@ -25,14 +25,17 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
           "up_proj": "gate_up_proj"}  # fmt: skip
 
 
-def published_digests(serving_dir: str | Path) -> dict[str, str]:
-    """sha256 of every tensor's bytes in a serving directory's safetensors (what changed between two publishes)."""
+def published_digests(serving_dir: str | Path, only: set[str] | None = None) -> dict[str, str]:
+    """sha256 of every tensor's bytes in a serving directory's safetensors (what changed between two publishes);
+    `only`: just these names (the ones whose engine checksum can move: hashing the rest is wasted time)."""
     import torch
     from safetensors import safe_open
 
     out: dict[str, str] = {}
     with safe_open(str(Path(serving_dir) / WEIGHTS_FILE), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            if only is not None and name not in only:
+                continue
             t = f.get_tensor(name).contiguous()
             out[name] = hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest()
     return out
@@ -41,6 +44,21 @@ def published_digests(serving_dir: str | Path) -> dict[str, str]:
 def engine_param_name(hf_name: str) -> str:
     """The vLLM parameter an HF tensor is loaded into (`q_proj`, `k_proj`, `v_proj` -> `qkv_proj`, ...)."""
     return ".".join(_FUSED.get(part, part) for part in hf_name.split("."))
+
+
+def observable_names(hf_names: list[str], engine_checksums: dict[str, str]) -> set[str]:
+    """The HF tensors whose engine parameter exists and is not kept empty (`EMPTY_DIGEST`): only their checksums
+    can show a load."""
+    grouped = strip_rank(engine_checksums)
+    return {n for n in hf_names if any(d != EMPTY_DIGEST for d in grouped.get(engine_param_name(n), ()))}
+
+
+def published_names(serving_dir: str | Path) -> list[str]:
+    """The tensor names of a serving directory (the safetensors header only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(serving_dir) / WEIGHTS_FILE), framework="pt") as f:
+        return list(f.keys())
 
 
 def strip_rank(checksums: dict[str, str]) -> dict[str, tuple[str, ...]]:
