@@ -106,6 +106,19 @@ class VLLMConfig(_Strict):
     startup_timeout_s: float = Field(600.0, gt=0, description="Wait this long for /health before failing.")
     max_restarts: int = Field(2, ge=0, description="Restarts of a crashed server (from the last synced weights).")
     extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments of the server.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Managed servers serving one run (rlpipe.rollout.replicas). 1 with no `resources`: one server "
+        "beside the driver. Otherwise each runs in a Ray actor that Ray places by `resources` and that keeps its "
+        "weights on its own node (they travel through the object store).",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Ray resources each replica actor needs besides `num_cpus`, e.g. {"GPU": 1} or the custom '
+        'resource of an engine worker group ({"rollout_engine": 1}, k8s/overlays/gpu).',
+    )
+    num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica actor.")
 
 
 class WeightSyncConfig(_Strict):
@@ -136,6 +149,11 @@ class RolloutConfig(_Strict):
     )
     server_url: str | None = Field(
         None, description="Base URL of the server (openai, sglang; vllm: connect instead of starting one)."
+    )
+    server_urls: list[str] = Field(
+        default_factory=list,
+        description="Several servers of one engine (vllm, sglang) to spread prompts over, each synced and verified; "
+        "instead of `server_url`. They must all see `weight_sync.dir`.",
     )
     server_model: str | None = Field(None, description="Model name sent to the server (default: 'policy').")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The managed vLLM server (engine=vllm).")

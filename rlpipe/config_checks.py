@@ -31,8 +31,11 @@ def check_consistency(cfg: PipelineConfig) -> None:
             f"train.pack_max_length={cfg.train.pack_max_length} cannot hold the longest sequence "
             f"(data.max_prompt_length + rollout.max_new_tokens = {longest})"
         )
-    if cfg.rollout.engine in ("openai", "sglang") and not cfg.rollout.server_url:
-        raise ValueError(f"rollout.engine={cfg.rollout.engine} needs rollout.server_url")
+    if cfg.rollout.engine == "openai" and not cfg.rollout.server_url:
+        raise ValueError("rollout.engine=openai needs rollout.server_url")
+    if cfg.rollout.engine == "sglang" and not (cfg.rollout.server_url or cfg.rollout.server_urls):
+        raise ValueError("rollout.engine=sglang needs rollout.server_url (or rollout.server_urls)")
+    _check_replicas(cfg)
     if cfg.rollout.engine == "openai" and not cfg.algo.rollout_is.enabled:
         raise ValueError(
             "rollout.engine=openai never gives the server new weights, so every rollout after the first update "
@@ -52,6 +55,23 @@ def check_consistency(cfg: PipelineConfig) -> None:
         raise ValueError(f"algo.advantage={cfg.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)")
     if cfg.rollout.prompts_per_step % cfg.dp_size != 0:
         raise ValueError("rollout.prompts_per_step must be a multiple of the data-parallel size")
+
+
+def _check_replicas(cfg: PipelineConfig) -> None:
+    """Several engine replicas: managed (rollout.vllm.replicas) or given (rollout.server_urls), not both."""
+    r = cfg.rollout
+    if r.server_urls and r.server_url:
+        raise ValueError("rollout: give either server_url or server_urls, not both")
+    if r.server_urls and r.engine not in ("vllm", "sglang"):
+        raise ValueError(f"rollout.server_urls is for synced engines (vllm, sglang), not rollout.engine={r.engine}")
+    managed = r.engine == "vllm" and not (r.server_url or r.server_urls)
+    if r.vllm.replicas > 1 and not managed:
+        raise ValueError("rollout.vllm.replicas > 1 starts managed vLLM servers: drop server_url / server_urls "
+                         "(list your own servers in rollout.server_urls instead)")  # fmt: skip
+    replicas = r.vllm.replicas if managed else max(1, len(r.server_urls))
+    if replicas > 1 and r.weight_sync.method == "nccl":
+        raise ValueError("rollout.weight_sync.method=nccl streams to one server; with several replicas use disk "
+                         "(the replicas get the weights through Ray's object store)")  # fmt: skip
 
 
 def _check_staleness(cfg: PipelineConfig) -> None:

@@ -22,11 +22,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlpipe.errors import RolloutServerError, WeightSyncError
 from rlpipe.rollout.engine import Generation, SamplingParams
-from rlpipe.rollout.probe import ProbeSequence, check_probe, compare_probe
+from rlpipe.rollout.probe import (
+    ProbeSequence,
+    check_probe,
+    check_relative_probe,
+    compare_probe,
+    default_probe_noise,
+    relative_probe,
+)
 
 Publish = Callable[[int], str | None]  # the serving dir, or None when streamed
 TrainerProbe = Callable[[list[ProbeSequence]], list[list[float]]]
@@ -42,7 +49,11 @@ class SyncStats:
     load_time_s: float = 0.0
     verify_time_s: float = 0.0
     probe_max_abs_diff: float = 0.0
+    probe_separation: float = float("nan")  # relative check: 1 synced, -1 stale (`relative_probe`); NaN: not run
+    probe_inconclusive: float = 0.0  # 1: the update was too small for the relative check (or no previous version)
+    check_time_s: float = 0.0  # the part of load + verify spent on the stale-engine checks (relative, engine-side)
     restarts: int = 0
+    evidence: dict[str, float] = field(default_factory=dict)  # the engine's own checks (`last_check_metrics`)
 
     def sync_metrics(self) -> dict[str, float]:
         """What syncing cost and how close the probe came: the `engine/*` columns of a sync."""
@@ -59,6 +70,10 @@ class SyncStats:
             "engine/load_time_s": self.load_time_s,
             "engine/verify_time_s": self.verify_time_s,
             "engine/probe_max_abs_diff": self.probe_max_abs_diff,
+            "engine/probe_separation": self.probe_separation,
+            "engine/probe_inconclusive": self.probe_inconclusive,
+            "engine/check_time_s": self.check_time_s,
+            **self.evidence,
         }
 
     def row(self, version: int | None) -> dict[str, float]:
@@ -83,6 +98,7 @@ class EngineSync:
         max_restarts: int = 2,
         log=print,
         publish_ahead: bool = False,
+        noise_rms: float | None = None,
     ):
         self.engine = engine
         self.publish = publish
@@ -90,11 +106,14 @@ class EngineSync:
         self.trainer_probe = trainer_probe
         self.probe = probe
         self.tolerance = tolerance
+        self.noise_rms = default_probe_noise(tolerance) if noise_rms is None else noise_rms
         self.max_restarts = max_restarts
         self.log = log
         self.restarts = 0
         self.stats = SyncStats()
         self._probe_cache: tuple[int, list[list[float]]] | None = None  # trainer logprobs of the probe per version
+        self._previous_probe: tuple[int, list[list[float]]] | None = None  # the version synced before, for the
+        # relative check: a stale engine matches it better than the new one
         self.lock = threading.RLock()  # held by every generate and sync: no sync in the middle of a batch
         # (version, its serving dir, the trainer's probe logprobs, publish seconds) written by `stage`, not loaded yet;
         # driver thread only
@@ -122,7 +141,7 @@ class EngineSync:
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == version:
             _, serving_dir, trainer_lp, publish_s = staged
-            self._probe_cache = (version, trainer_lp)
+            self._set_probe(version, trainer_lp)
             self.stats.staged_publish_time_s += publish_s
         else:
             start = time.perf_counter()
@@ -136,19 +155,40 @@ class EngineSync:
         self.stats.publish_time_s += publish_s
         self.stats.load_time_s += loaded - published
         self.stats.verify_time_s += time.perf_counter() - loaded
+        self.stats.check_time_s += getattr(self.engine, "last_check_s", 0.0)  # engine-side evidence, in load_time_s
+        self.stats.evidence = dict(getattr(self.engine, "last_check_metrics", {}))
+
+    def _set_probe(self, version: int, trainer_lp: list[list[float]]) -> None:
+        """Cache `version`'s trainer probe; the one it replaces becomes the previous version's."""
+        if self._probe_cache is not None and self._probe_cache[0] != version:
+            self._previous_probe = self._probe_cache
+        self._probe_cache = (version, trainer_lp)
 
     def verify(self, version: int) -> None:
-        """Score the probe on the engine and (once per version) on the trainer; raise `WeightSyncError` if apart."""
+        """Score the probe on the engine and (once per version) on the trainer; raise `WeightSyncError` if apart
+        (absolute tolerance) or if the engine is nearer the previous version's weights than this one's (relative)."""
         if self._probe_cache is None or self._probe_cache[0] != version:
-            self._probe_cache = (version, self.trainer_probe(self.probe))
+            self._set_probe(version, self.trainer_probe(self.probe))
         engine_lp = [self.engine.score(p.prompt_ids, p.response_ids) for p in self.probe]
         result = compare_probe(engine_lp, self._probe_cache[1])
         self.stats.probe_max_abs_diff = result.max_abs_diff
         try:
             check_probe(result, self.tolerance, self.engine.name, version)
+            self._check_relative(engine_lp, version)
         except BaseException:
             self.engine.served_version = None  # never trust these weights again without a new load
             raise
+
+    def _check_relative(self, engine_lp: list[list[float]], version: int) -> None:
+        start = time.perf_counter()
+        prev = self._previous_probe
+        if prev is None:  # the first sync: nothing to be stale against (the server started from the base weights)
+            self.stats.probe_separation, self.stats.probe_inconclusive = float("nan"), 1.0
+            return
+        rel = relative_probe(engine_lp, self._probe_cache[1], prev[1], self.noise_rms)
+        self.stats.probe_separation, self.stats.probe_inconclusive = rel.separation, float(rel.inconclusive)
+        self.stats.check_time_s += time.perf_counter() - start
+        check_relative_probe(rel, self.engine.name, version, prev[0])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Generation]:
         """Sample from the engine serving `version`; a dead managed server is restarted (bounded) and retried."""

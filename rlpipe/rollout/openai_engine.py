@@ -173,11 +173,28 @@ class OpenAIRolloutEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Sample ``params.n`` responses per prompt; ordered by (prompt_index, sample_index)."""
-        for i, p in enumerate(prompts):
+        done, failed = self.generate_each(prompts, params, list(range(len(prompts))))
+        if failed:
+            raise RolloutServerError(failed[min(failed)])
+        return [g for i in range(len(prompts)) for g in done[i]]
+
+    def generate_each(
+        self, prompts: list[list[int]], params: SamplingParams, indices: list[int]
+    ) -> tuple[dict[int, list[Generation]], dict[int, str]]:
+        """Sample every prompt as its own request; prompt `prompts[j]` is prompt `indices[j]` of the batch (its seed
+        and `Generation.prompt_index`). Returns ({index: generations} of the requests that succeeded, {index: error}
+        of those that failed): a caller that re-sends only the failed ones samples no prompt twice."""
+        for j, p in enumerate(prompts):
             if not p:
-                raise ConfigError(f"rollout: prompt {i} is empty")
-        bodies = [self.request_body(p, params, i) for i, p in enumerate(prompts)]
+                raise ConfigError(f"rollout: prompt {indices[j]} is empty")
+        bodies = [self.request_body(p, params, i) for p, i in zip(prompts, indices, strict=True)]
+        done: dict[int, list[Generation]] = {}
+        failed: dict[int, str] = {}
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(prompts)))) as pool:
-            futures = [pool.submit(self._post, b, params, i) for i, b in enumerate(bodies)]
-            per_prompt = [f.result() for f in futures]
-        return [g for gens in per_prompt for g in gens]
+            futures = {i: pool.submit(self._post, b, params, i) for i, b in zip(indices, bodies, strict=True)}
+            for i, future in futures.items():
+                try:
+                    done[i] = future.result()
+                except RolloutServerError as exc:
+                    failed[i] = str(exc)
+        return done, failed

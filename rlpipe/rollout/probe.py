@@ -115,3 +115,74 @@ def default_probe_tolerance(dtype: str) -> float:
     """Max per-token |logprob| difference accepted after a sync: float32 engines match the trainer to ~1e-5
     (measured: 1e-6 on the tiny default with vLLM CPU); bf16/fp16 kernels differ by up to a few 1e-2."""
     return 1e-3 if dtype in ("float32", "fp32") else 0.1
+
+
+@dataclass(frozen=True)
+class RelativeProbeResult:
+    """Where the engine's probe logprobs lie on the line from the previous version's (0) to the new one's (1).
+
+    `shown` = <engine - old, new - old> / |new - old|^2 (1: the engine shows the whole update, 0: it shows none).
+    `separation` = 2 shown - 1 = (|e - old|^2 - |e - new|^2) / |new - old|^2: > 0 iff the engine is nearer the new
+    weights than the old (1 synced, -1 stale). `inconclusive`: the update's probe norm is under `min_update_sigmas`
+    noise standard deviations, so noise alone could move `shown` past 1/2 (rely on the engine-side evidence).
+    """
+
+    shown: float
+    separation: float
+    update_l2: float  # |new - old| over all probe tokens
+    max_update: float  # max per-token |new - old|
+    engine_old_max_abs_diff: float
+    inconclusive: bool
+
+
+def relative_probe(
+    engine_logprobs: list[list[float]],
+    new_logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    noise_rms: float,
+    min_update_sigmas: float = 6.0,
+) -> RelativeProbeResult:
+    """Project the engine's probe logprobs onto the update (old -> new trainer logprobs); see `RelativeProbeResult`.
+
+    With per-token noise of rms `noise_rms`, `shown` has noise std `noise_rms / update_l2`; requiring
+    `update_l2 >= min_update_sigmas * noise_rms` keeps the pass threshold (1/2) 3 std from both 0 and 1 at the default.
+    """
+    e, n, o = (_flat(x) for x in (engine_logprobs, new_logprobs, old_logprobs))
+    if not len(e) == len(n) == len(o):
+        raise WeightSyncError(f"weight-sync probe: {len(e)} engine, {len(n)} new and {len(o)} old logprobs")
+    upd = [b - a for a, b in zip(o, n, strict=True)]
+    upd_sq = sum(u * u for u in upd)
+    dot = sum((x - a) * u for x, a, u in zip(e, o, upd, strict=True))
+    update_l2 = upd_sq**0.5
+    shown = dot / upd_sq if upd_sq > 0 else float("nan")
+    return RelativeProbeResult(
+        shown=shown,
+        separation=2 * shown - 1,
+        update_l2=update_l2,
+        max_update=max((abs(u) for u in upd), default=0.0),
+        engine_old_max_abs_diff=max((abs(x - a) for x, a in zip(e, o, strict=True)), default=0.0),
+        inconclusive=not update_l2 >= min_update_sigmas * noise_rms or shown != shown,
+    )
+
+
+def check_relative_probe(result: RelativeProbeResult, engine: str, version: int, previous: int) -> None:
+    """Raise `WeightSyncError` when a conclusive probe shows the engine nearer `previous`'s weights than `version`'s."""
+    if result.inconclusive or result.shown >= 0.5:
+        return
+    raise WeightSyncError(
+        f"rollout engine {engine} still serves (or mostly serves) version {previous}'s weights after syncing version "
+        f"{version}: its probe logprobs show {result.shown:.3g} of the update (1 = synced, 0 = stale; separation "
+        f"{result.separation:.3g}, update |new-old| {result.update_l2:.3g}, max {result.max_update:.3g}; max "
+        f"|engine-old| {result.engine_old_max_abs_diff:.3g}). The load did not take effect."
+    )
+
+
+def default_probe_noise(tolerance: float) -> float:
+    """Per-token rms noise the relative check assumes: a quarter of the absolute tolerance (which bounds the max).
+
+    Conservative: float32 engines measure ~1e-6 against the trainer's 2.5e-4 assumed here."""
+    return tolerance / 4
+
+
+def _flat(logprobs: list[list[float]]) -> list[float]:
+    return [float(x) for seq in logprobs for x in seq]

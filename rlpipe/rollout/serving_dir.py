@@ -63,6 +63,24 @@ def write_serving_dir(
     """
     from safetensors.torch import save_file
 
+    return _write_version_dir(
+        lambda path: save_file(state, str(path), metadata={"format": "pt"}), model_dir, root, version, keep
+    )
+
+
+def serving_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """The `model.safetensors` of a serving directory, in memory: what travels to engines on other nodes."""
+    from safetensors.torch import save
+
+    return save(state, metadata={"format": "pt"})
+
+
+def write_serving_bytes(weights: bytes, model_dir: str | Path, root: str | Path, version: int, keep: int = 2) -> Path:
+    """`write_serving_dir` from `serving_bytes` (an engine node writing its own local copy of a version)."""
+    return _write_version_dir(lambda path: Path(path).write_bytes(weights), model_dir, root, version, keep)
+
+
+def _write_version_dir(write_weights, model_dir: str | Path, root: str | Path, version: int, keep: int) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"v{version:08d}"
@@ -73,7 +91,7 @@ def write_serving_dir(
             src = Path(model_dir) / name
             if src.is_file():
                 shutil.copy2(src, tmp / name)
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_weights(tmp / WEIGHTS_FILE)
         (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
         with open(tmp / WEIGHTS_FILE, "rb") as f:
             os.fsync(f.fileno())
@@ -86,6 +104,12 @@ def write_serving_dir(
     for old in sorted(p for p in root.iterdir() if p.name.startswith("v") and p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def model_dir_files(model_dir: str | Path) -> dict[str, bytes]:
+    """Every file at the top of a model directory, by name: the base model an engine node without the driver's
+    filesystem starts from (sent once through Ray's object store)."""
+    return {p.name: p.read_bytes() for p in sorted(Path(model_dir).iterdir()) if p.is_file()}
 
 
 def serving_dir_version(path: str | Path) -> int | None:

@@ -36,10 +36,16 @@ class SGLangEngine:
     def name(self) -> str:
         return f"sglang {self.base_url}"
 
+    def _client(self) -> OpenAIRolloutEngine:
+        return OpenAIRolloutEngine(self.base_url, self.model_name, timeout_s=self.timeout_s, max_retries=1,
+                                   eos_token_id=self.eos_token_id)  # fmt: skip
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        client = OpenAIRolloutEngine(self.base_url, self.model_name, timeout_s=self.timeout_s, max_retries=1,
-                                     eos_token_id=self.eos_token_id)  # fmt: skip
-        return client.generate(prompts, params)
+        return self._client().generate(prompts, params)
+
+    def generate_each(self, prompts: list[list[int]], params: SamplingParams, indices: list[int]):
+        """Per-prompt results and failures (`OpenAIRolloutEngine.generate_each`)."""
+        return self._client().generate_each(prompts, params, indices)
 
     @staticmethod
     def load_body(serving_dir: str, version: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@ readers of `rollout.engine`.
 - `hf`: HF `generate` inside the training workers, on a copy of the current weights (`WorkerRollout`);
 - `openai`: any OpenAI-compatible server, never synced (`UnsyncedServerRollout`): accepted only with rollout IS on
   (config validation), and its metrics say how many optimizer steps the served weights lag behind;
-- `vllm`, `sglang`: a server kept serving the current weights (`SyncedServerRollout` over `EngineSync`): the policy is
+- `vllm`, `sglang`: a server kept serving the current weights (`SyncedServerRollout` over a `ReplicaPool` of `EngineSync`s, one per replica): the policy is
   published through the training workers (`export_serving`, or NCCL) and every load is verified with a probe.
 """
 
@@ -22,6 +22,7 @@ from rlpipe.io import inside_root
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.engine_sync import EngineSync
 from rlpipe.rollout.probe import ProbeSequence, build_probe, default_probe_tolerance
+from rlpipe.rollout.replicas import ReplicaPool
 
 SERVED_MODEL_NAME = "policy"
 EngineRows = tuple[list[Generation], dict[str, float]]
@@ -31,7 +32,7 @@ class RolloutSource(Protocol):
     """What the session samples from."""
 
     lineage_name: str | None  # recorded in the manifest's `served` list; None: the trainer's own weights
-    sync: EngineSync | None  # the synced engine (the pipelined loop drives its syncs); None if not synced
+    sync: ReplicaPool | None  # the synced engines (the pipelined loop drives its syncs); None if not synced
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> EngineRows: ...
 
@@ -75,15 +76,18 @@ class UnsyncedServerRollout:
 
 
 class SyncedServerRollout:
-    """rollout.engine = vllm | sglang: a server brought to `version` (published, loaded, probed) before it samples."""
+    """rollout.engine = vllm | sglang: servers brought to `version` (published, loaded, probed) before they sample."""
 
-    def __init__(self, sync: EngineSync):
+    def __init__(self, sync: ReplicaPool):
         self.sync = sync
-        self.lineage_name = sync.engine.name
+
+    @property
+    def lineage_name(self) -> str:
+        return self.sync.name  # every live replica's address (a restarted one may have a new port)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> EngineRows:
         gens = self.sync.generate(prompts, params, version)
-        return gens, self.sync.stats.row(self.sync.engine.served_version)
+        return gens, self.sync.stats.row(self.sync.served_version)
 
     def close(self) -> None:
         self.sync.close()
@@ -110,20 +114,13 @@ def serving_root(cfg: PipelineConfig) -> Path:
     return Path(sync.dir) if sync.dir else inside_root(cfg.output_dir, "serving", cfg.experiment)
 
 
-def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer, prompts, log=print) -> EngineSync:
-    """A verified, lazily synced engine for rollout.engine = vllm or sglang."""
+def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer, prompts, log=print) -> ReplicaPool:
+    """The verified, lazily synced engine replicas of rollout.engine = vllm or sglang."""
     r = cfg.rollout
-    name = r.server_model or SERVED_MODEL_NAME
-    if r.engine == "vllm":
-        engine = _vllm_engine(cfg, model_dir, name, tokenizer.eos_token_id, log)
-    else:
-        from rlpipe.rollout.sglang_engine import SGLangEngine
-
-        engine = SGLangEngine(r.server_url, name, tokenizer.eos_token_id)
-    publish = _disk_publisher(controller, serving_root(cfg))
     streamed = r.weight_sync.method == "nccl"
+    engines, publish = _engines(cfg, model_dir, controller, tokenizer.eos_token_id, log)
     if streamed:
-        publish = _nccl_publisher(controller, engine, r.weight_sync.bucket_mb << 20)
+        publish = _nccl_publisher(controller, engines[0], r.weight_sync.bucket_mb << 20)
     probe = build_probe(
         [prompts[i].prompt_ids for i in range(min(len(prompts), r.weight_sync.probe_sequences))],
         vocab_size=len(tokenizer),
@@ -132,16 +129,46 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
         seed=cfg.data.seed,
     )
     tolerance = r.weight_sync.probe_tolerance or default_probe_tolerance(cfg.model.dtype)
-    return EngineSync(
-        engine,
+    max_restarts = cfg.rollout.vllm.max_restarts if r.engine == "vllm" else 0
+    syncs = [
+        EngineSync(engine, publish=publish, trainer_probe=None, probe=probe, tolerance=tolerance,
+                   max_restarts=max_restarts, log=log, publish_ahead=not streamed)
+        for engine in engines
+    ]  # fmt: skip
+    return ReplicaPool(
+        syncs,
         publish=publish,
         trainer_probe=lambda seqs: trainer_probe_logprobs(cfg, controller, tokenizer.pad_token_id, seqs),
         probe=probe,
-        tolerance=tolerance,
-        max_restarts=cfg.rollout.vllm.max_restarts if r.engine == "vllm" else 0,
-        log=log,
+        max_new_tokens=r.max_new_tokens,
         publish_ahead=not streamed,  # a new versioned directory never touches the served one
+        log=log,
     )
+
+
+def _engines(cfg: PipelineConfig, model_dir: str, controller, eos_token_id: int | None, log):
+    """(engines, publish): managed replicas in Ray actors fed through the object store, or servers that read the
+    serving directory (the one managed server beside the driver, or the user's at server_url(s))."""
+    r = cfg.rollout
+    name = r.server_model or SERVED_MODEL_NAME
+    urls = list(r.server_urls) or ([r.server_url] if r.server_url else [])
+    if r.engine == "sglang":
+        from rlpipe.rollout.sglang_engine import SGLangEngine
+
+        engines = [SGLangEngine(url, name, eos_token_id) for url in urls]
+    elif urls:
+        from rlpipe.rollout.vllm_engine import VLLMEngine
+
+        engines = [VLLMEngine(url, name, eos_token_id) for url in urls]
+    elif r.vllm.replicas > 1 or r.vllm.resources:
+        from rlpipe.rollout.replica_actor import start_replicas
+
+        spec = managed_server_spec(cfg, model_dir, name, on_gpu="GPU" in r.vllm.resources)
+        engines = start_replicas(spec, model_dir, r.vllm, eos_token_id, cfg.model.dtype, log)
+        return engines, lambda version: controller.export_serving_ref()  # no disk: the object store
+    else:
+        engines = [_managed_vllm_engine(cfg, model_dir, name, eos_token_id, log)]
+    return engines, _disk_publisher(controller, serving_root(cfg))
 
 
 def _disk_publisher(controller, root: Path):
@@ -163,13 +190,12 @@ def _nccl_publisher(controller, engine, bucket_bytes: int):
     return publish
 
 
-def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: int | None, log):
+def _managed_vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: int | None, log):
+    """The one managed vLLM server, a child process of the driver on its host."""
+    import torch
+
     from rlpipe.rollout.vllm_engine import VLLMEngine
     from rlpipe.rollout.vllm_process import VLLMServer
-
-    if cfg.rollout.server_url:
-        return VLLMEngine(cfg.rollout.server_url, name, eos_token_id)
-    import torch
 
     server = VLLMServer(managed_server_spec(cfg, model_dir, name, on_gpu=torch.cuda.is_available()), log=log)
     server.start()

@@ -40,6 +40,8 @@ class VLLMServerSpec:
     extra_args: list[str] = field(default_factory=list)
     log_path: str = "vllm-server.log"
     startup_timeout_s: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)  # set in the server's environment (e.g. its CPU cores:
+    # VLLM_CPU_OMP_THREADS_BIND, which replicas sharing a CPU node need: by default every server binds core 0)
 
     def command(self, port: int) -> list[str]:
         """The server command line (public so tests and docs can see exactly what runs)."""
@@ -62,6 +64,7 @@ class VLLMServerSpec:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # admin routes for weight sync
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.pop("PYTHONPATH", None)  # the server's venv must not import the trainer's packages
+        env.update(self.env)
         return env
 
 

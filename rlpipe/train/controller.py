@@ -145,6 +145,16 @@ class TrainingController:
         """Write the current policy as a serving directory for a server engine; returns its path."""
         return self._all("export_serving", root, version)[0]
 
+    def export_serving_ref(self):
+        """The policy's safetensors bytes as an ObjectRef held in rank 0's object store, never fetched here: engine
+        replicas on other nodes pull it from there (no shared filesystem needed)."""
+        import ray
+
+        refs = [w.export_serving_bytes.remote() for w in self.workers]
+        self._get(refs[1:])  # the other ranks only joined the gather (a rank-0 error surfaces where it is pulled)
+        ray.wait(refs[:1], fetch_local=False)
+        return refs[0]
+
     def init_weight_transfer(self, base_url: str, inference_world_size: int) -> None:
         """GPU path: rank 0 joins the vLLM server's NCCL group."""
         self._all("init_weight_transfer", base_url, inference_world_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlpipe.rollout.serving_dir import serving_state_dict, write_serving_dir
+from rlpipe.rollout.serving_dir import serving_bytes, serving_state_dict, write_serving_dir
 from rlpipe.train.distributed import free_port
 from rlpipe.train.policy import full_hf_state_dict
 
@@ -17,14 +17,24 @@ class ServingExport:
         """Publish the policy for a server engine: a complete HF dir under `root` (a collective; rank 0 writes).
 
         The LM head is written explicitly even when tied (`serving_state_dict` says why)."""
+        state = self._serving_state()
+        return None if state is None else str(write_serving_dir(state, self.model_dir, root, version))
+
+    def export_serving_bytes(self) -> bytes | None:
+        """The policy's `model.safetensors` in memory (a collective; rank 0 returns it): for engine replicas on
+        other nodes, which each write their own local copy; Ray keeps it in rank 0's object store."""
+        state = self._serving_state()
+        return None if state is None else serving_bytes(state)
+
+    def _serving_state(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0: every weight a server loads, the LM head written even when tied; other ranks join the gather."""
         state = full_hf_state_dict(self.policy)
         if self.rank != 0:
             return None
         hf = self.policy.hf
         names = {id(module): name for name, module in hf.named_modules()}
         embed, head = names.get(id(hf.get_input_embeddings())), names.get(id(hf.get_output_embeddings()))
-        state = serving_state_dict(state, embed and f"{embed}.weight", head and f"{head}.weight")
-        return str(write_serving_dir(state, self.model_dir, root, version))
+        return serving_state_dict(state, embed and f"{embed}.weight", head and f"{head}.weight")
 
     def _serving_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, parameter) of every weight a server loads, the LM head listed even when tied."""

@@ -70,7 +70,7 @@ def inproc_engine(monkeypatch):
         engines.append(InProcessEngine(eos_token_id, load_tokenizer(model_dir).pad_token_id))
         return engines[-1]
 
-    monkeypatch.setattr("rlpipe.rollout.sources._vllm_engine", build)
+    monkeypatch.setattr("rlpipe.rollout.sources._managed_vllm_engine", build)
     torch.set_num_threads(1)
     return engines
 

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rlpipe.errors import ConfigError, RolloutServerError
+from rlpipe.errors import ConfigError, RolloutServerError, WeightSyncError
 from rlpipe.rollout.nccl_transfer import NCCLWeightSender, TensorMeta, init_info, iter_buckets, plan_buckets
 from rlpipe.rollout.sglang_engine import SGLangEngine
 from rlpipe.rollout.vllm_engine import VLLMEngine
@@ -65,23 +65,40 @@ def server():
     rec.httpd.shutdown()
 
 
-def test_vllm_load_is_pause_reload_reset_tag_resume(server):
+def test_vllm_load_is_pause_reload_reset_tag_resume_then_reads_back_the_evidence(server):
+    server.answers["/weight_checker"] = {"checksums": {"dp0:pp0:pcp0:tp0:model.norm.weight": "aa"}}
+    server.answers["/weight_info"] = {"weight_version": "3"}
     engine = VLLMEngine(server.url, "policy", eos_token_id=2)
     engine.load_weights("/w/v00000003", 3)
-    assert server.paths() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
-                              "/resume"]  # fmt: skip
-    assert server.requests[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": "/w/v00000003"}}
-    assert server.requests[3][1] == {"new_version": "3"}
+    assert server.paths() == ["/weight_checker", "/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache",
+                              "/update_weight_version", "/resume", "/weight_info", "/weight_checker"]  # fmt: skip
+    assert server.requests[0][1] == {"action": "checksum"}
+    assert server.requests[2][1] == {"method": "reload_weights", "kwargs": {"weights_path": "/w/v00000003"}}
+    assert server.requests[4][1] == {"new_version": "3"}
     assert engine.served_version == 3 and engine.served_dir == "/w/v00000003"
+    server.requests.clear()
+    server.answers["/weight_info"] = {"weight_version": "4"}
+    engine.load_weights("/w/v00000004", 4)
+    assert server.paths()[0] == "/pause?mode=wait"  # the checksums read after the last load are the next "before"
 
 
-def test_vllm_failed_reload_still_resumes_and_keeps_the_old_version(server):
+def test_vllm_load_fails_when_the_engine_reports_another_version(server):
+    server.answers["/weight_checker"] = {"checksums": {}}
+    server.answers["/weight_info"] = {"weight_version": "2"}
+    engine = VLLMEngine(server.url, "policy", eos_token_id=2)
+    with pytest.raises(WeightSyncError, match="reports weight version '2' after loading version 3"):
+        engine.load_weights("/w/v3", 3)
+    assert engine.served_version is None  # unverified: the caller must not trust it
+
+
+def test_vllm_failed_reload_still_resumes_and_keeps_no_verified_version(server):
+    server.answers["/weight_checker"] = {"checksums": {}}
     engine = VLLMEngine(server.url, "policy", eos_token_id=2)
     engine.served_version = 2
     server.fail.add("/collective_rpc")
     with pytest.raises(RolloutServerError, match="collective_rpc: HTTP 500"):
         engine.load_weights("/w/v3", 3)
-    assert server.paths()[-1] == "/resume" and engine.served_version == 2
+    assert server.paths()[-1] == "/resume" and engine.served_version is None
 
 
 def test_vllm_score_reads_prompt_logprobs_of_the_response_positions(server):

@@ -1,0 +1,168 @@
+"""Engine replicas: 1 vs 2 vLLM CPU replicas on the same prompts and seeds, and what one sync costs.
+
+Command (from the repo root; needs `bash scripts/setup_vllm.sh`, and `pip install -e ".[bench]"` for SmolLM2):
+
+    RAY_AUTH_MODE=disabled PYTHONPATH=. .venv/bin/python bench/rollout_replicas.py
+
+(a) Rollout tokens/s and sync time, tiny default model. One Ray node; each replica is an `EngineReplica` actor
+    (`rlpipe.rollout.replica_actor`, what `rollout.vllm.replicas` starts) with its server bound to its own core
+    (`VLLM_CPU_OMP_THREADS_BIND=<i>`: by default every CPU server binds core 0). The trainer is idle during rollout:
+    an HF copy of the model in this process takes one AdamW step between syncs and publishes the same way the
+    training workers do (`serving_bytes` into the object store; each replica writes its node-local copy).
+    Rollout: `ReplicaPool.generate` on `--prompts` prompts x `--n` samples x `--max-new-tokens`, the same seeds for
+    both counts, median of `--repeats` (after one warm-up). Sync: median `engine/sync_time_s` (publish once + the
+    slowest replica's load and verification) over `--updates` updates.
+(b) SmolLM2-135M: the sync time of one replica against the limit, writing and reading the model's bytes once on
+    this machine (safetensors of the state dict into memory, a file in /dev/shm, read back).
+
+Two cores: both replicas and the driver share them, so the 2-replica rollout can at best double; the sync of two
+replicas loads in parallel on the two cores. The load average is recorded next to the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench._common import table, write_section  # noqa: E402
+from bench.sync_blind_spot import Trainer, _model_dir  # noqa: E402
+
+
+def start_pool(model_dir: str, replicas: int, trainer: Trainer):
+    """`replicas` EngineReplica actors (server i on core i) behind a ReplicaPool fed by `trainer`."""
+    import ray
+
+    from rlpipe.rollout.engine_sync import EngineSync
+    from rlpipe.rollout.probe import ProbeSequence
+    from rlpipe.rollout.replica_actor import EngineReplica, RemoteEngine
+    from rlpipe.rollout.replicas import ReplicaPool
+    from rlpipe.rollout.serving_dir import model_dir_files, serving_bytes, serving_state_dict
+    from rlpipe.rollout.vllm_process import VLLMServerSpec, cpu_server_args
+
+    base = ray.put(model_dir_files(model_dir))
+    actors = []
+    for i in range(replicas):
+        spec = VLLMServerSpec(python=str(HERE.parent / ".venv-vllm/bin/python"), model_dir=model_dir,
+                              served_model_name="policy", max_model_len=256, extra_args=cpu_server_args(256),
+                              env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())})  # fmt: skip
+        actors.append(ray.remote(EngineReplica).options(num_cpus=0).remote(spec, base, i, None))
+    engines = [RemoteEngine(a, i) for i, a in enumerate(actors)]
+
+    def publish(version: int):
+        state = serving_state_dict(trainer.model.state_dict(), "model.embed_tokens.weight", "lm_head.weight")
+        return ray.put(serving_bytes(state))
+
+    probe = [ProbeSequence(p.prompt_ids, p.response_ids) for p in trainer.probe]
+    syncs = [EngineSync(e, None, None, probe, 1e-3, log=lambda m: None) for e in engines]
+    return ReplicaPool(syncs, publish, trainer.probe_logprobs, probe, max_new_tokens=64, publish_ahead=True)
+
+
+def measure(model_dir: str, replicas: int, args, work: Path) -> dict:
+    from rlpipe.rollout.engine import SamplingParams
+    from rlpipe.rollout.engine_sync import SyncStats
+
+    trainer = Trainer(model_dir, work / f"unused-{replicas}", probe_tokens=16)
+    pool = start_pool(model_dir, replicas, trainer)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, trainer.vocab, (16,), generator=gen).tolist() for _ in range(args.prompts)]
+        syncs = []
+        for _ in range(args.updates + 1):  # the first sync (from the base weights) is warm-up
+            trainer.step(1e-4)
+            pool.stats = SyncStats()
+            pool.ensure_current(trainer.version)
+            syncs.append(pool.stats.sync_metrics()["engine/sync_time_s"])
+        rates = []
+        for r in range(args.repeats + 1):
+            params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=100 + r)
+            start = time.perf_counter()
+            gens = pool.generate(prompts, params, trainer.version)
+            rates.append(sum(len(g.response_ids) for g in gens) / (time.perf_counter() - start))
+        return {"tokens_per_s": statistics.median(rates[1:]), "sync_s": statistics.median(syncs[1:])}
+    finally:
+        pool.close()
+
+
+def byte_limit(model_dir: str) -> dict:
+    """Seconds to serialize SmolLM2's serving state, write it to /dev/shm and read it back: what a sync cannot beat."""
+    from transformers import AutoModelForCausalLM
+
+    from rlpipe.rollout.serving_dir import serving_bytes, serving_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = serving_state_dict(model.state_dict(), "model.embed_tokens.weight", "lm_head.weight")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        data = serving_bytes(state)
+        with tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+            f.write(data)
+            f.flush()
+            f.seek(0)
+            f.read()
+        times.append(time.perf_counter() - start)
+    return {"bytes": len(data), "limit_s": statistics.median(times)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import ray
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    load_before = os.getloadavg()
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory(prefix="rlpipe-replicas-") as tmp:
+        tiny, _ = _model_dir("tiny", Path(tmp))
+        for replicas in (1, 2):
+            results[replicas] = measure(tiny, replicas, args, Path(tmp))
+            print(replicas, results[replicas], flush=True)
+            rows.append([replicas, f"{results[replicas]['tokens_per_s']:.0f}", f"{results[replicas]['sync_s']:.3f}"])
+        smol = None
+        if not args.skip_smollm2:
+            smol_dir, _ = _model_dir("smollm2", Path(tmp))
+            smol = {**byte_limit(smol_dir), **measure(smol_dir, 1, argparse.Namespace(**{**vars(args), "repeats": 1,
+                                                                                          "prompts": 8}), Path(tmp))}  # fmt: skip
+            print("smollm2", smol, flush=True)
+    ray.shutdown()
+    speed = results[2]["tokens_per_s"] / results[1]["tokens_per_s"]
+    sync_ratio = results[2]["sync_s"] / results[1]["sync_s"]
+    body = (
+        f"Tiny default model, {args.prompts} prompts x {args.n} samples x {args.max_new_tokens} new tokens, vLLM CPU "
+        "replicas as Ray actors, server i on core i, trainer idle during rollout; medians.\n\n"
+        + table(["replicas", "rollout tokens/s", "sync time per update (s)"], rows)
+        + f"\n\n2 replicas: rollout {speed:.2f}x one (target >= 1.7x), sync {sync_ratio:.2f}x one (target <= 1.3x)."
+    )
+    if smol is not None:
+        body += (
+            f"\n\nSmolLM2-135M, one replica: sync {smol['sync_s']:.2f} s per update (publish through the object "
+            f"store + node-local write + load + checks + probe) against {smol['limit_s']:.2f} s to serialize, write "
+            f"and read its {smol['bytes'] / 2**20:.0f} MiB once ({smol['sync_s'] / smol['limit_s']:.1f}x the limit)."
+        )
+    body += f"\n\nLoad average (1/5/15 min) before {load_before}, after {os.getloadavg()}."
+    print(body)
+    if not args.no_write:
+        write_section("Engine replicas: 1 vs 2 vLLM CPU replicas (issue 28)", body, None, __file__,
+                      argv if argv is not None else sys.argv[1:])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
