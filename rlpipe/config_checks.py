@@ -60,10 +60,10 @@ def check_consistency(cfg: PipelineConfig) -> None:
 def _check_replicas(cfg: PipelineConfig) -> None:
     """Several engine replicas: managed (rollout.vllm.replicas) or given (rollout.server_urls), not both."""
     r = cfg.rollout
-    if r.server_urls and r.server_url:
-        raise ValueError("rollout: give either server_url or server_urls, not both")
     if r.server_urls and r.engine not in ("vllm", "sglang"):
         raise ValueError(f"rollout.server_urls is for synced engines (vllm, sglang), not rollout.engine={r.engine}")
+    if r.server_urls and r.server_url:
+        raise ValueError("rollout: give either server_url or server_urls, not both")
     managed = r.engine == "vllm" and not (r.server_url or r.server_urls)
     if r.vllm.replicas > 1 and not managed:
         raise ValueError("rollout.vllm.replicas > 1 starts managed vLLM servers: drop server_url / server_urls "

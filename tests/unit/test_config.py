@@ -84,3 +84,20 @@ def test_server_engines_validate_their_settings():
     with pytest.raises(ConfigError, match="max_model_len=16 is shorter"):
         load_config(overrides={"rollout.engine": "vllm", "rollout.vllm.max_model_len": 16})
     assert load_config(overrides={"rollout.engine": "vllm"}).rollout.weight_sync.method == "disk"
+
+
+def test_engine_replicas_are_managed_or_listed_never_both():
+    vllm = {"rollout.engine": "vllm"}
+    with pytest.raises(ConfigError, match="either server_url or server_urls"):
+        load_config(overrides={**vllm, "rollout.server_url": "http://a", "rollout.server_urls": ["http://b"]})
+    with pytest.raises(ConfigError, match="replicas > 1 starts managed"):
+        load_config(overrides={**vllm, "rollout.vllm.replicas": 2, "rollout.server_urls": ["http://a", "http://b"]})
+    with pytest.raises(ConfigError, match="server_urls is for synced engines"):
+        load_config(overrides={"rollout.engine": "openai", "rollout.server_url": "http://a",
+                               "rollout.server_urls": ["http://b"], "algo.rollout_is.enabled": True})  # fmt: skip
+    with pytest.raises(ConfigError, match="nccl streams to one server"):
+        load_config(overrides={**vllm, "rollout.vllm.replicas": 2, "rollout.weight_sync.method": "nccl"})
+    sglang = load_config(overrides={"rollout.engine": "sglang", "rollout.server_urls": ["http://a", "http://b"]})
+    assert sglang.rollout.server_urls == ["http://a", "http://b"]
+    managed = load_config(overrides={**vllm, "rollout.vllm.replicas": 2, "rollout.vllm.resources": {"GPU": 1}})
+    assert managed.rollout.vllm.replicas == 2
