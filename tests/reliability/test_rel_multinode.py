@@ -199,11 +199,3 @@ def test_an_unplaceable_spread_fails_with_a_message_naming_the_placement(cluster
     while live() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not live() - before  # the pending group was removed, not left to grab resources later
-
-
-def test_train_resources_refuse_rlpipes_own_names(tmp_path):
-    with pytest.raises(ConfigError, match=r"train\.resources\.GPU"):
-        load_config(overrides=fast_overrides(tmp_path, **{"train.resources": {"GPU": 1}}))
-    with pytest.raises(ConfigError, match=r"train\.resources\.trainer=0"):
-        load_config(overrides=fast_overrides(tmp_path, **{"train.resources": {"trainer": 0}}))
-    assert load_config(overrides=fast_overrides(tmp_path)).train.placement == "pack"
