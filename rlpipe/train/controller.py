@@ -125,7 +125,12 @@ class TrainingController:
         return merged
 
     def save(self, weights_dir: str) -> list[dict]:
-        return self._all("save", weights_dir)
+        """Every rank writes its DCP shard; the driver then checks it sees them all (`check_dcp_visible`)."""
+        from rlpipe.train.checkpoint_io import check_dcp_visible
+
+        states = self._all("save", weights_dir)
+        check_dcp_visible(weights_dir)
+        return states
 
     def load(self, weights_dir: str, worker_states: list[dict] | None) -> None:
         """Load a checkpoint written by any number of workers. With its `worker_states`: weights, optimizer, counters
