@@ -199,3 +199,19 @@ def test_an_unplaceable_spread_fails_with_a_message_naming_the_placement(cluster
     while live() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not live() - before  # the pending group was removed, not left to grab resources later
+
+
+def test_a_driver_without_ray_address_starts_its_own_ray_beside_the_cluster(cluster):
+    """`ensure_ray` attaches only when told (RAY_ADDRESS): with the cluster up as the newest Ray on the machine, a
+    driver without it starts its own local Ray (plain `ray.init()` would join the cluster)."""
+    import subprocess
+
+    c, _ = cluster
+    code = (
+        "from rlpipe.ray_env import ensure_ray; import ray; ensure_ray(); print(ray.get_runtime_context().gcs_address)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    own = out.stdout.strip().splitlines()[-1]
+    assert own and own != c.address, (own, c.address)
