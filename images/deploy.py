@@ -12,9 +12,10 @@ same name passed to ImageSpec; nothing else hard-codes it.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlpipe.errors import ConfigError
 
@@ -49,6 +50,21 @@ class RayGroupShape(BaseModel):
         "memory, so keep shm >= that) and NCCL's intra-node buffers; it counts against the memory limit."
     )
 
+    ray_resources: dict[str, int] = Field(
+        default_factory=dict,
+        description="Custom Ray resources every pod of the group advertises (`ray start --resources`), so rlpipe's "
+        "placement can pick the group: `train.resources` for the trainer ranks, the engines' resources for rollout.",
+    )
+
+    def ray_start_params(self) -> dict[str, str]:
+        """The group's `rayStartParams` (KubeRay and Flyte's WorkerNodeConfig alike): its custom resources, if any.
+
+        KubeRay pastes each value into a shell command line, so the JSON goes in double quotes with its own quotes
+        escaped (the form of KubeRay's own examples: `'"{\\"Custom1\\": 1}"'`)."""
+        if not self.ray_resources:
+            return {}
+        return {"resources": '"' + json.dumps(self.ray_resources, sort_keys=True).replace('"', '\\"') + '"'}
+
     def k8s_resources(self) -> dict[str, str]:
         """The container's `requests` (and identical `limits`) mapping as the manifests spell it."""
         out = {"cpu": self.cpu, "memory": self.memory}
@@ -65,8 +81,15 @@ GPU_HEAD = RayGroupShape(cpu="8", memory="48Gi", gpu=1, replicas=1, shm="16Gi")
 """Ray head of the GPU profile: the `rlpipe run` driver and the vLLM rollout server it starts and owns
 (`rollout.engine=vllm`, on the pod's GPU, reached at 127.0.0.1, so its admin routes never leave the pod). Started
 with num-cpus=0 and num-gpus=0: Ray schedules no TrainingWorker there."""
-GPU_WORKER = RayGroupShape(cpu="8", memory="64Gi", gpu=1, replicas=2, shm="24Gi")
-"""GPU worker group: one TrainingWorker per GPU (num_gpus=1), NCCL between pods."""
+TRAINER_RESOURCE = "trainer"
+"""Custom Ray resource of the trainer pods; the gpu config's `train.resources` asks for it, so no TrainingWorker lands
+on an engine pod."""
+ROLLOUT_RESOURCE = "rollout_engine"
+"""Custom Ray resource of the rollout-engine pods, one per pod: what a managed engine replica asks for."""
+GPU_WORKER = RayGroupShape(cpu="8", memory="64Gi", gpu=1, replicas=2, shm="24Gi", ray_resources={TRAINER_RESOURCE: 1})
+"""GPU trainer group: one TrainingWorker per GPU (num_gpus=1), NCCL between pods."""
+GPU_ROLLOUT = RayGroupShape(cpu="8", memory="64Gi", gpu=1, replicas=2, shm="24Gi", ray_resources={ROLLOUT_RESOURCE: 1})
+"""GPU rollout group: one engine replica per pod (its GPU and `rollout_engine: 1`), beside the trainer group."""
 
 
 class DeployProfile(BaseModel):
@@ -81,7 +104,24 @@ class DeployProfile(BaseModel):
     ray_version: str = Field(RAY_VERSION, description="spec.rayVersion of the RayCluster/RayJob.")
     head: RayGroupShape = Field(description="Shape of the head pod.")
     worker: RayGroupShape = Field(description="Shape of each worker pod.")
-    worker_group: str = Field(description="groupName of the single worker group.")
+    worker_group: str = Field(description="groupName of the trainer worker group.")
+    rollout: RayGroupShape | None = Field(
+        None, description="Shape of each rollout-engine pod; None: no rollout group (the engine is colocated)."
+    )
+    rollout_group: str | None = Field(None, description="groupName of the rollout worker group, with `rollout`.")
+
+    @model_validator(mode="after")
+    def _rollout_has_a_name(self) -> DeployProfile:
+        if (self.rollout is None) != (self.rollout_group is None):
+            raise ValueError(f"profile {self.kind}: set rollout and rollout_group together")
+        return self
+
+    def worker_groups(self) -> list[tuple[str, RayGroupShape]]:
+        """(groupName, shape) of every worker group, in the manifests' order: trainers first, then rollout."""
+        groups = [(self.worker_group, self.worker)]
+        if self.rollout is not None and self.rollout_group is not None:  # both or neither (validated)
+            groups.append((self.rollout_group, self.rollout))
+        return groups
 
 
 PROFILES: dict[str, DeployProfile] = {
@@ -102,6 +142,8 @@ PROFILES: dict[str, DeployProfile] = {
         head=GPU_HEAD,
         worker=GPU_WORKER,
         worker_group="gpu-workers",
+        rollout=GPU_ROLLOUT,
+        rollout_group="rollout-workers",
     ),
 }
 

@@ -230,6 +230,25 @@ class TrainConfig(_Strict):
         "auto", description="auto: cuda with nccl if available, else cpu/gloo."
     )
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per CPU worker.")
+    placement: Literal["pack", "spread"] = Field(
+        "pack",
+        description="Ray placement of the trainer ranks (one placement-group bundle each). pack: as few nodes as "
+        "possible (Ray PACK, best effort: ranks may still land on several nodes when one has no room). spread: every "
+        "rank on its own node (Ray STRICT_SPREAD: it needs world_size nodes with room; fewer is the placement error "
+        "after train.placement_timeout_s, never a silent fallback to packing).",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each trainer bundle asks for besides its CPU (and GPU), e.g. {trainer: 1}: "
+        "with nodes started with that resource (KubeRay rayStartParams `resources`) the ranks land only there, not "
+        "on rollout-engine nodes. CPU, GPU and memory are rlpipe's own and cannot be named here.",
+    )
+    placement_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long to wait for the cluster to place the trainer bundles (an autoscaler may be adding "
+        "nodes) before failing with an error naming train.placement and the resources; Ray itself waits forever.",
+    )
     lr: float = Field(
         5e-4,
         gt=0,
@@ -316,6 +335,16 @@ class TrainConfig(_Strict):
         description="torch.compile each decoder layer's forward (inductor; on CPU it needs a C++ compiler). The "
         "first steps pay the compile time; meant for GPUs.",
     )
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"train.resources.{name}: rlpipe sets CPU/GPU per rank itself; name custom resources")
+            if not amount > 0:
+                raise ValueError(f"train.resources.{name}={amount} must be > 0")
+        return value
 
     @field_validator("betas")
     @classmethod

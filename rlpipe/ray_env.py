@@ -27,7 +27,12 @@ def set_driver_env() -> None:
 
 
 def ensure_ray() -> None:
-    """Connect to the Ray cluster of this job (KubeRay sets RAY_ADDRESS) or start a local one."""
+    """Connect to the Ray cluster of this job (KubeRay and `ray job submit` set RAY_ADDRESS) or start a local one.
+
+    Without RAY_ADDRESS the address is "local", not None: given None, `ray.init` attaches to the newest Ray instance
+    on the machine (/tmp/ray/ray_current_cluster), so a run started beside another driver's Ray, or beside a
+    `ray.cluster_utils.Cluster` in a test, would join that cluster (measured: it did, and failed when it went away).
+    """
     import ray
 
     if ray.is_initialized():
@@ -35,7 +40,7 @@ def ensure_ray() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", WORKER_ENV["RAY_AUTH_MODE"])
     local = not os.environ.get("RAY_ADDRESS")
     ray.init(
-        address=os.environ.get("RAY_ADDRESS"),
+        address="local" if local else os.environ["RAY_ADDRESS"],
         ignore_reinit_error=True,
         include_dashboard=False,
         log_to_driver=True,

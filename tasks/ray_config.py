@@ -7,7 +7,9 @@ Shape of the job (KubeRay, via Flyte's Ray plugin):
 - head: started with `num-cpus: 0` and `num-gpus: 0`, so the scheduler never puts a TrainingWorker on it (the head
   runs GCS, the dashboard and the task's driver process; in the GPU profile its GPU is for the vLLM rollout server
   the driver starts, `rollout.engine=vllm`);
-- one worker group (`cpu-workers` or `gpu-workers`) with `replicas` pods, requests == limits (Guaranteed QoS);
+- the trainer worker group (`cpu-workers` or `gpu-workers`) with `replicas` pods, requests == limits (Guaranteed QoS);
+  in the GPU profile its pods advertise the custom Ray resource `trainer` (grpo-gpu.yaml's `train.resources`), and a
+  second group, `rollout-workers`, holds the rollout engines (GPU pods advertising `rollout_engine: 1`);
 - `shutdown_after_job_finishes=True` plus a TTL, so a finished or failed job frees its GPUs but its pods stay long
   enough to read their logs.
 
@@ -39,31 +41,39 @@ def _resources(shape: RayGroupShape) -> Resources:
     return Resources(cpu=k8s["cpu"], mem=k8s["memory"], gpu=k8s.get(GPU_RESOURCE))
 
 
+def _worker_group(name: str, shape: RayGroupShape, replicas: int) -> WorkerNodeConfig:
+    """A fixed-size worker group (no autoscaling) advertising the group's custom Ray resources."""
+    res = _resources(shape)
+    return WorkerNodeConfig(
+        group_name=name,
+        replicas=replicas,
+        min_replicas=replicas,
+        max_replicas=replicas,
+        ray_start_params=shape.ray_start_params() or None,
+        requests=res,
+        limits=res,
+    )
+
+
 @dataclass
 class RlpipeRayJobConfig(RayJobConfig):
     """The plugin's RayJob spec; its own type only so that `@task` builds a `tasks.common.RlpipeRayTask` for it."""
 
 
 def ray_job_config(kind: str = "cpu", replicas: int | None = None) -> RlpipeRayJobConfig:
-    """The RayJobConfig of the `kind` deployment ('cpu' or 'gpu'); `replicas` overrides the worker count.
+    """The RayJobConfig of the `kind` deployment ('cpu' or 'gpu'); `replicas` overrides the trainer group's count.
 
     Unknown kinds raise `rlpipe.errors.ConfigError` (from `images.deploy.profile`).
     """
     prof = profile(kind)
-    head, worker = _resources(prof.head), _resources(prof.worker)
-    workers = prof.worker.replicas if replicas is None else replicas
+    head = _resources(prof.head)
+    groups = [
+        _worker_group(name, shape, replicas if replicas is not None and name == prof.worker_group else shape.replicas)
+        for name, shape in prof.worker_groups()
+    ]
     return RlpipeRayJobConfig(
         head_node_config=HeadNodeConfig(ray_start_params=dict(HEAD_START_PARAMS), requests=head, limits=head),
-        worker_node_config=[
-            WorkerNodeConfig(
-                group_name=prof.worker_group,
-                replicas=workers,
-                min_replicas=workers,
-                max_replicas=workers,
-                requests=worker,
-                limits=worker,
-            )
-        ],
+        worker_node_config=groups,
         shutdown_after_job_finishes=True,
         ttl_seconds_after_finished=TTL_SECONDS_AFTER_FINISHED,
     )

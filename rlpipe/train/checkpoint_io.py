@@ -195,6 +195,28 @@ def check_dcp_matches(
         )
 
 
+def check_dcp_visible(weights_dir: str | os.PathLike[str]) -> None:
+    """Raise a CheckpointError unless this process (the driver) sees every file the ranks' DCP save needs.
+
+    Why: the driver hashes a checkpoint's files into its manifest and publishes it, but each rank writes its shard
+    on its own node. With a `checkpoint.root` that is not storage shared by the driver and every trainer node, the
+    driver would publish a checkpoint without those shards, found out only at the next resume.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src = local_path(weights_dir)
+    hint = (
+        "the trainer ranks wrote files this driver cannot see: checkpoint.root must be storage that the driver and "
+        "every trainer node share (a ReadWriteMany volume, k8s/base/pvc.yaml)"
+    )
+    if not (src / ".metadata").is_file():
+        raise CheckpointError(f"no DCP weights at {src} after the ranks saved them (missing .metadata): {hint}")
+    needed = {info.relative_path for info in FileSystemReader(str(src)).read_metadata().storage_data.values()}
+    missing = sorted(name for name in needed if not (src / name).is_file())
+    if missing:
+        raise CheckpointError(f"DCP weights at {src} lack {missing} named by its .metadata: {hint}")
+
+
 def load_dcp(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, weights_dir: str | os.PathLike[str]
 ) -> None:

@@ -1,5 +1,8 @@
 """TrainingController: starts one TrainingWorker Ray actor per rank in a placement group and fans calls out.
 
+The group's strategy is `train.placement` (pack: Ray PACK, spread: STRICT_SPREAD) and each bundle adds the custom
+`train.resources`; a group the cluster cannot place within `train.placement_timeout_s` is an error naming them.
+
 Packs are split over data-parallel ranks round-robin (`dp_shards`) (the packer already padded their number to a multiple of dp).
 A lost actor or node surfaces as `RecoverableError`, which the Flyte layer turns into a retry that resumes from
 the last complete checkpoint.
@@ -14,7 +17,7 @@ from typing import Any
 
 from rlpipe.config import PipelineConfig
 from rlpipe.data.packing import Pack, dp_shards
-from rlpipe.errors import RecoverableError
+from rlpipe.errors import ConfigError, RecoverableError
 from rlpipe.ray_env import ensure_ray, lost_worker_errors
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.train.metrics import FitMetrics, SFTMetrics, merge_worker_metrics
@@ -25,7 +28,6 @@ class TrainingController:
 
     def __init__(self, cfg: PipelineConfig, model_dir: str):
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlpipe.train.worker import TrainingWorker
@@ -36,8 +38,7 @@ class TrainingController:
         self.dp_size = cfg.dp_size
         use_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cluster_has_gpus())
         bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
-        self._pg = placement_group([bundle] * self.world_size, strategy="PACK")
-        ray.get(self._pg.ready(), timeout=300)
+        self._pg = place_trainers(cfg, {**bundle, **cfg.train.resources})
         actor_cls = ray.remote(TrainingWorker)
         cfg_json = cfg.model_dump_json()
         self.workers = [
@@ -124,7 +125,12 @@ class TrainingController:
         return merged
 
     def save(self, weights_dir: str) -> list[dict]:
-        return self._all("save", weights_dir)
+        """Every rank writes its DCP shard; the driver then checks it sees them all (`check_dcp_visible`)."""
+        from rlpipe.train.checkpoint_io import check_dcp_visible
+
+        states = self._all("save", weights_dir)
+        check_dcp_visible(weights_dir)
+        return states
 
     def load(self, weights_dir: str, worker_states: list[dict] | None) -> None:
         """Load a checkpoint written by any number of workers. With its `worker_states`: weights, optimizer, counters
@@ -189,6 +195,41 @@ class TrainingController:
                 pass
         remove_placement_group(self._pg)
         self.workers = []
+
+
+PLACEMENT_STRATEGY = {"pack": "PACK", "spread": "STRICT_SPREAD"}
+"""Ray strategy of each `train.placement`. spread is STRICT_SPREAD, not SPREAD: SPREAD silently packs ranks onto
+one node when the cluster has too few, so a run asked to spread could train packed without anyone knowing."""
+
+
+def place_trainers(cfg: PipelineConfig, bundle: dict[str, float]):
+    """A ready placement group of `train.world_size` copies of `bundle`, or a ConfigError after the timeout.
+
+    Why the timeout: Ray keeps an unplaceable group pending forever (it only logs a warning), so a run asking for
+    more nodes or resources than the cluster has would hang instead of saying what it asked for.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    train = cfg.train
+    pg = placement_group([bundle] * train.world_size, strategy=PLACEMENT_STRATEGY[train.placement])
+    if pg.wait(timeout_seconds=train.placement_timeout_s):
+        return pg
+    remove_placement_group(pg)  # a pending group would grab the resources later, after this run failed
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    raise ConfigError(
+        f"the Ray cluster cannot place the trainer ranks within train.placement_timeout_s="
+        f"{train.placement_timeout_s:g}: train.placement={train.placement} ({PLACEMENT_STRATEGY[train.placement]}) "
+        f"of train.world_size={train.world_size} bundles of {bundle} (train.resources={train.resources}); "
+        f"the {len(nodes)} alive node(s) offer {[_summary(r) for r in nodes]}. Add nodes or resources, lower "
+        "train.world_size, use train.placement=pack, or change train.resources"
+    )
+
+
+def _summary(resources: dict[str, float]) -> dict[str, float]:
+    """A node's resources without Ray's per-node bookkeeping entries (node:<ip>, memory in bytes)."""
+    skip = ("node:", "memory", "object_store_memory", "accelerator_type:")
+    return {k: v for k, v in resources.items() if not k.startswith(skip)}
 
 
 def _cluster_has_gpus() -> bool:

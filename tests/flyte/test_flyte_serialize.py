@@ -1,12 +1,13 @@
 """The workflows compile for a remote cluster, offline: `pyflyte package` and `pyflyte register --dry-run`.
 
 Asserts what the cluster will receive: the RayJob spec (CPU-only head with num-cpus 0, one worker group with
-requests == limits from images.deploy, shutdown after the job with a TTL), retries/timeouts/caching, Artifact
+requests == limits from images.deploy; for RLPIPE_DEPLOY_KIND=gpu the trainer and the rollout-engine group, shutdown after the job with a TTL), retries/timeouts/caching, Artifact
 partitions on the outputs, the ImageSpec names, and the nightly cron with its skip-overlap concurrency policy.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,23 +21,35 @@ REPO = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 
 
-def _env(tmp: Path) -> dict[str, str]:
+def _env(tmp: Path, kind: str | None = None) -> dict[str, str]:
+    """A clean environment; `kind` sets RLPIPE_DEPLOY_KIND (None: the default, cpu)."""
     env = dict(os.environ, HOME=str(tmp / "home"), RAY_AUTH_MODE="disabled", FLYTE_IMG_FAST_FAIL="false")
     env.pop("RLPIPE_IMAGE_REGISTRY", None)
     env.pop("RLPIPE_DEPLOY_KIND", None)
+    if kind is not None:
+        env["RLPIPE_DEPLOY_KIND"] = kind
     return env
 
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> dict[str, dict]:
     """`pyflyte package` of the workflows; returns {entity file stem: the parsed proto as a dict}."""
+    return _package(tmp_path_factory.mktemp("pkg"), None)
+
+
+@pytest.fixture(scope="module")
+def gpu_package(tmp_path_factory) -> dict[str, dict]:
+    """The same, registered for the GPU deployment (RLPIPE_DEPLOY_KIND=gpu)."""
+    return _package(tmp_path_factory.mktemp("pkg-gpu"), "gpu")
+
+
+def _package(tmp: Path, kind: str | None) -> dict[str, dict]:
     from flyteidl.admin import launch_plan_pb2, task_pb2, workflow_pb2
 
-    tmp = tmp_path_factory.mktemp("pkg")
     out = tmp / "flyte-package.tgz"
     proc = subprocess.run(
         [PYFLYTE, "--pkgs", "workflows", "package", "-o", str(out), "--force"],
-        cwd=REPO, env=_env(tmp), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=_env(tmp, kind), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     entities = {}
@@ -88,6 +101,24 @@ def test_ray_job_spec(package, name):
     assert worker_container["name"] == "ray-worker"
     want = {"cpu": CPU_WORKER.cpu, "memory": CPU_WORKER.memory}
     assert worker_container["resources"] == {"requests": want, "limits": want}
+
+
+def test_gpu_segment_job_has_the_trainer_and_the_rollout_group(gpu_package):
+    """The GPU RayJob of the segment task: the trainer group and, beside it, the rollout-engine group, each with its
+    GPU, its fixed size and the custom Ray resource that rlpipe's placement asks for (images/deploy.py)."""
+    from images.deploy import GPU_IMAGE, PROFILES
+
+    template = _task(gpu_package, "tasks.segment.rl_segment")
+    assert template["container"]["image"] == GPU_IMAGE
+    groups = template["custom"]["rayCluster"]["workerGroupSpec"]
+    want = PROFILES["gpu"].worker_groups()
+    assert [g["groupName"] for g in groups] == [name for name, _ in want] == ["gpu-workers", "rollout-workers"]
+    for group, (name, shape) in zip(groups, want, strict=True):
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == shape.replicas, name
+        assert group["rayStartParams"] == shape.ray_start_params(), name
+        (container,) = group["k8sPod"]["podSpec"]["containers"]
+        assert container["resources"] == {"requests": shape.k8s_resources(), "limits": shape.k8s_resources()}, name
+    assert json.loads(groups[1]["rayStartParams"]["resources"][1:-1].replace('\\"', '"')) == {"rollout_engine": 1}
 
 
 def test_retries_timeouts_cache_and_decks(package):

@@ -30,7 +30,7 @@ def isolated_home(tmp_path, monkeypatch):
 
 
 def test_gpu_ray_job_config_matches_deploy_constants():
-    from images.deploy import GPU_HEAD, GPU_WORKER, HEAD_RESOURCES
+    from images.deploy import GPU_HEAD, GPU_ROLLOUT, GPU_WORKER, HEAD_RESOURCES
     from tasks.ray_config import ray_job_config
 
     cfg = ray_job_config("gpu")
@@ -41,11 +41,16 @@ def test_gpu_ray_job_config_matches_deploy_constants():
     assert (head.cpu, head.mem, head.gpu) == (GPU_HEAD.cpu, GPU_HEAD.memory, "1")
     assert ray_job_config("cpu").head_node_config.requests.gpu is None
     assert ray_job_config("cpu").head_node_config.requests.cpu == HEAD_RESOURCES.cpu
-    (group,) = cfg.worker_node_config
+    group, rollout = cfg.worker_node_config  # trainers, then the rollout engines beside them
     assert group.group_name == "gpu-workers" and group.replicas == GPU_WORKER.replicas
     assert group.requests == group.limits
     assert (group.limits.cpu, group.limits.mem, group.limits.gpu) == (GPU_WORKER.cpu, GPU_WORKER.memory, "1")
-    assert ray_job_config("cpu", replicas=5).worker_node_config[0].replicas == 5
+    assert group.ray_start_params == {"resources": '"{\\"trainer\\": 1}"'}
+    assert rollout.group_name == "rollout-workers" and rollout.replicas == GPU_ROLLOUT.replicas
+    assert rollout.limits.gpu == "1" and rollout.ray_start_params == {"resources": '"{\\"rollout_engine\\": 1}"'}
+    (cpu_group,) = ray_job_config("cpu", replicas=5).worker_node_config  # the colocated HF engine: no rollout group
+    assert cpu_group.replicas == 5 and cpu_group.ray_start_params is None
+    assert ray_job_config("gpu", replicas=3).worker_node_config[1].replicas == GPU_ROLLOUT.replicas  # trainers only
 
 
 def test_gpu_worker_resources_serialize_as_nvidia_gpu():

@@ -8,7 +8,7 @@ Supported kustomization fields and their semantics (kustomize v5):
 - ``resources``: YAML files (multi-document) and directories holding a kustomization (rendered recursively).
 - ``configMapGenerator``: ``files`` (``key=path`` or ``path``), ``literals``, ``behavior`` create/replace/merge;
   ``options.disableNameSuffixHash: true`` is required (no hash suffix, so no name-reference rewriting).
-- ``patches``: a list of JSON6902 operations (add, remove, replace, test) with a ``target``, or a strategic-merge
+- ``patches``: a list of JSON6902 operations (add, remove, replace, test, copy) with a ``target``, or a strategic-merge
   patch whose target is the patch's own kind/name. Strategic merge here deep-merges mappings, deletes keys set to
   null and replaces lists of scalars; a list of mappings (whose merge depends on per-field merge keys) is refused.
 - ``namespace``: sets metadata.namespace of namespaced objects, renames Namespace objects, and sets the namespace
@@ -255,11 +255,16 @@ def _walk(doc: Any, parts: list[str], path: str) -> Any:
 
 
 def json6902(doc: dict, operations: list[dict]) -> dict:
-    """Apply RFC 6902 operations add/remove/replace/test to `doc` in place (and return it)."""
+    """Apply RFC 6902 operations add/remove/replace/test/copy to `doc` in place (and return it)."""
     for op in operations:
         kind, path = op.get("op"), op.get("path")
-        if kind not in ("add", "remove", "replace", "test") or path is None:
-            raise KustomizeError(f"JSON6902 operation {op} not supported (add/remove/replace/test with a path)")
+        if kind not in ("add", "remove", "replace", "test", "copy") or path is None:
+            raise KustomizeError(f"JSON6902 operation {op} not supported (add/remove/replace/test/copy with a path)")
+        if kind == "copy":  # RFC 6902 4.5: an add of the value at `from`
+            if "from" not in op:
+                raise KustomizeError(f"JSON6902 copy to {path} needs `from`")
+            op = {"op": "add", "path": path, "value": _walk(doc, _pointer(op["from"]), op["from"])}
+            kind = "add"
         parts = _pointer(path)
         if not parts:
             raise KustomizeError("JSON6902 operations on the whole document are not supported")

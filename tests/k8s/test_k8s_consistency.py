@@ -51,21 +51,27 @@ def test_ray_objects_match_deploy_profile(overlay, kind):
         assert spec["rayVersion"] == RAY_VERSION, where
         assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0", where
         _assert_shape(spec["headGroupSpec"]["template"]["spec"], prof.head, "ray-head", where)
-        (group,) = spec["workerGroupSpecs"]
-        assert group["groupName"] == prof.worker_group, where
-        podspec = group["template"]["spec"]
-        _assert_shape(podspec, prof.worker, "ray-worker", where)
-        if obj["kind"] == "RayJob":
-            assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == prof.worker.replicas, where
-        else:
-            assert group["maxReplicas"] == prof.worker.replicas, where
-            assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], where
-        on_gpu_nodes = podspec.get("nodeSelector", {}).get("nvidia.com/gpu.present") == "true"
-        tolerates = any(t.get("key") == GPU_RESOURCE for t in podspec.get("tolerations", []))
-        assert on_gpu_nodes == tolerates == (prof.worker.gpu > 0), where
+        groups = spec["workerGroupSpecs"]
+        assert [g["groupName"] for g in groups] == [name for name, _ in prof.worker_groups()], where
+        for group, (name, shape) in zip(groups, prof.worker_groups(), strict=True):
+            _assert_group(group, shape, obj["kind"], f"{where} {name}")
     for role, template, _ in all_pod_templates(objects):
         for container in template["spec"]["containers"]:
             assert container["image"] == prof.image, f"{prof.overlay} {role}"
+
+
+def _assert_group(group: dict, shape: RayGroupShape, kind: str, where: str) -> None:
+    podspec = group["template"]["spec"]
+    _assert_shape(podspec, shape, "ray-worker", where)
+    if kind == "RayJob":
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == shape.replicas, where
+    else:
+        assert group["maxReplicas"] == shape.replicas, where
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], where
+    assert group["rayStartParams"] == shape.ray_start_params(), where
+    on_gpu_nodes = podspec.get("nodeSelector", {}).get("nvidia.com/gpu.present") == "true"
+    tolerates = any(t.get("key") == GPU_RESOURCE for t in podspec.get("tolerations", []))
+    assert on_gpu_nodes == tolerates == (shape.gpu > 0), where
 
 
 def test_deploy_constants():
@@ -227,10 +233,12 @@ def test_tasks_ray_job_config_matches_deploy_profile(kind):
     assert head is not None
     for section in ("requests", "limits"):
         assert _flyte_resources(getattr(head, section)) == prof.head.k8s_resources(), ("head", section)
-    (worker,) = cfg.worker_node_config
-    assert worker.group_name == prof.worker_group
-    assert worker.replicas == prof.worker.replicas
-    for section in ("requests", "limits"):
-        assert _flyte_resources(getattr(worker, section)) == prof.worker.k8s_resources(), ("worker", section)
+    groups = cfg.worker_node_config
+    assert [g.group_name for g in groups] == [name for name, _ in prof.worker_groups()]  # gpu: trainers + rollout
+    for worker, (name, shape) in zip(groups, prof.worker_groups(), strict=True):
+        assert worker.replicas == worker.min_replicas == worker.max_replicas == shape.replicas, name
+        assert (worker.ray_start_params or {}) == shape.ray_start_params(), name
+        for section in ("requests", "limits"):
+            assert _flyte_resources(getattr(worker, section)) == shape.k8s_resources(), (name, section)
     assert cfg.shutdown_after_job_finishes is True
     assert not cfg.enable_autoscaling

@@ -146,3 +146,16 @@ def test_list_type_map_and_set_uniqueness():
     dup_default = {"spec": {"items": [{"name": "a"}, {"name": "a", "proto": "TCP"}]}}
     assert len(list_type_errors(SCHEMA, dup_default)) == 1  # a missing key counts as its default
     assert len(list_type_errors(SCHEMA, {"spec": {"tags": ["x", "x"]}})) == 1
+
+
+@pytest.mark.parametrize("kind", ["RayJob", "RayCluster"])
+def test_gpu_rollout_group_is_validated_beside_the_trainers(rendered, crd_files, kind):
+    """The gpu overlay's second worker group (the rollout engines) goes through the same schema: a mistake in it is
+    found, not only in the trainer group."""
+    obj = copy.deepcopy(one(rendered["overlays/gpu"], kind))
+    groups = cluster_spec(obj)["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == ["gpu-workers", "rollout-workers"]
+    assert validate_custom_resource(obj, crd_files[kind], strict=True) == []
+    groups[1]["rayStartParams"]["resources"] = {"rollout_engine": 1}  # must be the string `ray start` gets
+    errors = validate_custom_resource(obj, crd_files[kind], strict=True)
+    assert len(errors) == 1 and "workerGroupSpecs/1/rayStartParams/resources" in errors[0], errors

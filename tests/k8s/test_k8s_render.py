@@ -253,14 +253,18 @@ def test_json6902_operations():
             {"op": "remove", "path": "/a/b/0"},
             {"op": "add", "path": "/a/new", "value": {"x": [1]}},
             {"op": "test", "path": "/a/new/x/0", "value": 1},
+            {"op": "copy", "from": "/a/new", "path": "/a/b/-"},
+            {"op": "replace", "path": "/a/b/3/x/0", "value": 7},  # a copy, not the same object
         ],
     )
-    assert doc == {"a": {"b": [9, 2, 3], "c/d": {"~e": 5}, "new": {"x": [1]}}}
+    assert doc == {"a": {"b": [9, 2, 3, {"x": [7]}], "c/d": {"~e": 5}, "new": {"x": [1]}}}
     for bad in (
         {"op": "replace", "path": "/a/missing", "value": 1},
         {"op": "remove", "path": "/a/b/7"},
         {"op": "test", "path": "/a/b/0", "value": 0},
         {"op": "move", "from": "/a/b", "path": "/a/z"},
+        {"op": "copy", "path": "/a/z"},
+        {"op": "copy", "from": "/a/nothing", "path": "/a/z"},
         {"op": "add", "path": "/a/b/0/deeper", "value": 1},
     ):
         with pytest.raises(KustomizeError):

@@ -44,3 +44,31 @@ def test_gpu_rayjob_serves_rollouts_from_a_vllm_server_on_its_head(rendered):
         if engine == "vllm":
             assert cfg.rollout.server_url is None and cfg.rollout.vllm.host == "127.0.0.1"  # managed, pod-local
             assert cfg.rollout.weight_sync.method == "disk" and cfg.output_dir.startswith("/data/")
+
+
+def test_gpu_trainers_are_pinned_to_the_trainer_group_by_a_custom_resource(rendered):
+    """grpo-gpu.yaml's train.resources names a resource only the trainer pods advertise, so the rollout group's GPUs
+    stay the engines'; and KubeRay's shell line turns the quoted rayStartParams value back into that JSON."""
+    import json
+    import subprocess
+
+    import yaml
+    from k8s_objects import cluster_spec
+
+    from images.deploy import PROFILES
+    from rlpipe.config import validate_config
+
+    objects = rendered["overlays/gpu"]
+    cfg = validate_config(yaml.safe_load(one(objects, "ConfigMap", "rlpipe-config")["data"]["grpo-gpu.yaml"]))
+    groups = {g["groupName"]: g for g in cluster_spec(one(objects, "RayJob"))["workerGroupSpecs"]}
+    assert set(groups) == {"gpu-workers", "rollout-workers"}
+    advertised = {}
+    for name, group in groups.items():
+        line = f"ray start --resources={group['rayStartParams']['resources']}"
+        argv = subprocess.run(["bash", "-c", f"printf '%s\\n' {line}"], capture_output=True, text=True, check=True)
+        advertised[name] = json.loads(argv.stdout.splitlines()[-1].split("=", 1)[1])
+    assert advertised == {"gpu-workers": {"trainer": 1}, "rollout-workers": {"rollout_engine": 1}}
+    assert cfg.train.resources == {"trainer": 1.0}
+    assert set(cfg.train.resources) <= set(advertised["gpu-workers"])
+    assert not set(cfg.train.resources) & set(advertised["rollout-workers"])
+    assert cfg.train.world_size <= PROFILES["gpu"].worker.replicas * advertised["gpu-workers"]["trainer"]

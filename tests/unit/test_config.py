@@ -101,3 +101,20 @@ def test_engine_replicas_are_managed_or_listed_never_both():
     assert sglang.rollout.server_urls == ["http://a", "http://b"]
     managed = load_config(overrides={**vllm, "rollout.vllm.replicas": 2, "rollout.vllm.resources": {"GPU": 1}})
     assert managed.rollout.vllm.replicas == 2
+
+
+def test_trainer_placement_defaults_and_resources():
+    """pack is the default (the placement before train.placement existed); train.resources takes custom Ray
+    resources only, with positive amounts (the controller adds them to every trainer bundle)."""
+    train = load_config().train
+    assert (train.placement, train.resources, train.placement_timeout_s) == ("pack", {}, 300.0)
+    spread = load_config(overrides={"train.placement": "spread", "train.resources": {"trainer": 1}}).train
+    assert (spread.placement, spread.resources) == ("spread", {"trainer": 1.0})
+    with pytest.raises(ConfigError, match=r"train\.placement"):
+        load_config(overrides={"train.placement": "strict_spread"})
+    with pytest.raises(ConfigError, match=r"train\.resources\.GPU: rlpipe sets CPU/GPU"):
+        load_config(overrides={"train.resources": {"GPU": 1}})
+    with pytest.raises(ConfigError, match=r"train\.resources\.trainer=0"):
+        load_config(overrides={"train.resources": {"trainer": 0}})
+    with pytest.raises(ConfigError, match=r"train\.placement_timeout_s"):
+        load_config(overrides={"train.placement_timeout_s": 0})

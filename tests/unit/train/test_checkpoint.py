@@ -465,6 +465,19 @@ def test_dcp_plain_model_roundtrip(tmp_path):
         cio.load_dcp(fresh, None, tmp_path / "nothing")
 
 
+def test_the_driver_refuses_a_checkpoint_whose_shards_it_cannot_see(tmp_path):
+    """What a node-local checkpoint.root looks like from the driver: shard files (or all of them) on other nodes."""
+    model = _tiny()
+    cio.save_dcp(model, torch.optim.AdamW(model.parameters()), tmp_path / "w")
+    cio.check_dcp_visible(tmp_path / "w")  # a shared root: every file .metadata names is there
+    shard = next((tmp_path / "w").glob("*.distcp"))
+    shard.unlink()  # written by a rank on another node, onto that node's disk
+    with pytest.raises(CheckpointError, match=rf"lack \['{shard.name}'\].*checkpoint\.root must be storage"):
+        cio.check_dcp_visible(tmp_path / "w")
+    with pytest.raises(CheckpointError, match=r"missing \.metadata.*checkpoint\.root must be storage"):
+        cio.check_dcp_visible(tmp_path / "elsewhere")  # rank 0 (the DCP coordinator) on another node
+
+
 @pytest.fixture
 def gloo_world1(tmp_path):
     import torch.distributed as dist
