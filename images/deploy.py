@@ -78,9 +78,10 @@ HEAD_RESOURCES = RayGroupShape(cpu="1", memory="4Gi", gpu=0, replicas=1, shm="2G
 CPU_WORKER = RayGroupShape(cpu="2", memory="4Gi", gpu=0, replicas=2, shm="2Gi")
 """CPU worker group: 2 pods x 2 CPUs hold the default train.world_size=2 TrainingWorkers (1 CPU each)."""
 GPU_HEAD = RayGroupShape(cpu="8", memory="48Gi", gpu=1, replicas=1, shm="16Gi")
-"""Ray head of the GPU profile: the `rlpipe run` driver and the vLLM rollout server it starts and owns
-(`rollout.engine=vllm`, on the pod's GPU, reached at 127.0.0.1, so its admin routes never leave the pod). Started
-with num-cpus=0 and num-gpus=0: Ray schedules no TrainingWorker there."""
+"""Ray head of the GPU profile: the `rlpipe run` driver. Its GPU served the one vLLM server the driver started;
+grpo-gpu.yaml now runs `rollout.vllm.replicas` on the rollout-workers group instead, so a config with a single
+driver-side server still works here (dropping the head GPU is left to a follow-up). Started with num-cpus=0 and
+num-gpus=0: Ray schedules no TrainingWorker there."""
 TRAINER_RESOURCE = "trainer"
 """Custom Ray resource of the trainer pods; the gpu config's `train.resources` asks for it, so no TrainingWorker lands
 on an engine pod."""

@@ -43,6 +43,11 @@ def test_gpu_rayjob_serves_rollouts_from_a_vllm_server_on_its_head(rendered):
         assert head["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") == head_gpus
         if engine == "vllm":
             assert cfg.rollout.server_url is None and cfg.rollout.vllm.host == "127.0.0.1"  # managed, pod-local
+            from images.deploy import GPU_ROLLOUT, ROLLOUT_RESOURCE
+
+            # one replica per rollout-workers pod, placed there by the resource only those pods advertise
+            assert cfg.rollout.vllm.replicas == GPU_ROLLOUT.replicas
+            assert cfg.rollout.vllm.resources == {"GPU": 1, ROLLOUT_RESOURCE: 1}
             assert cfg.rollout.weight_sync.method == "disk" and cfg.output_dir.startswith("/data/")
 
 
