@@ -216,8 +216,9 @@ class TrainConfig(_Strict):
         description="Sequence parallelism: split every pack's tokens over this many ranks (an sp group; Ulysses "
         "attention, rlpipe.models.sequence_parallel). The sp ranks of a group train the same packs, each holding "
         "1/sp_size of their activations; data is sharded over the dp = world_size / sp_size groups. Same logprobs, "
-        "losses and gradients as 1. Must divide world_size and the model's attention heads (kv heads are split or "
-        "repeated as their count allows); needs model.attn_implementation=sdpa with train.packed_attention.",
+        "losses and gradients as 1. Must divide world_size and be at most the model's attention heads (split as "
+        "evenly as possible; kv heads split or repeated to match); needs model.attn_implementation=sdpa with "
+        "train.packed_attention.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda with nccl if available, else cpu/gloo."

@@ -89,12 +89,12 @@ def model_head_counts(cfg: PipelineConfig) -> tuple[int, int] | None:
 
 
 def check_sp_heads(sp: int, heads: int, kv_heads: int, source: str) -> None:
-    """Ulysses attention gives each sp rank heads / sp query heads; kv heads are split when sp divides them and
-    repeated otherwise, so only the query heads must be divisible."""
-    if heads % sp:
+    """Ulysses attention gives each sp rank at least one query head (split as evenly as possible when sp does not
+    divide them; kv heads are split or repeated to match, `rlpipe.models.sequence_parallel`)."""
+    if sp > heads:
         raise ValueError(
-            f"train.sp_size={sp} must divide the model's attention heads: {source} has num_attention_heads={heads} "
-            f"and num_key_value_heads={kv_heads}, and sp_size divides neither"
+            f"train.sp_size={sp} is more than the model's attention heads: {source} has num_attention_heads={heads} "
+            f"and num_key_value_heads={kv_heads}; Ulysses attention needs at least one query head per sp rank"
         )
 
 

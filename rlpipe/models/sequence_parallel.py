@@ -6,11 +6,13 @@ and rank ``r`` runs the decoder on the contiguous slice ``r`` of ``local_bounds`
 cut the same way; the full ``cu_seq_lens`` stays with every rank because attention needs it).
 
 Attention (Jacobs et al. 2023, "DeepSpeed Ulysses"). q/k/v arrive sequence-sharded ``[1, H, L/sp, D]``;
-``all_to_all`` turns them into head-sharded full sequences ``[1, H/sp, L, D]``, the packed attention runs on its
-head group exactly as without sp, and a second all-to-all returns ``[1, L/sp, H, D]``. Grouped-query models:
-kv heads are split when ``sp`` divides their number; otherwise each is repeated the fewest times that make the
-count divisible (``kv_repeats``) — always possible when ``sp`` divides the query heads, which
-``rlpipe.config_checks`` requires of the model.
+``seq_to_heads`` (an all-to-all) turns them into head-sharded full sequences ``[1, H/sp, L, D]``, the packed
+attention runs on its head group exactly as without sp, and ``heads_to_seq`` returns ``[1, L/sp, H, D]``. When
+``sp`` does not divide the query heads they are split as evenly as possible (``head_split``: SmolLM2's 9 heads
+over 2 ranks are 5 + 4; gloo and nccl take uneven all-to-all splits); ``sp`` may not exceed them. Grouped-query
+models: kv heads are split when ``sp`` divides both head counts, repeated the fewest times that make it divide
+them when it divides the query heads only, and repeated up to the query heads (then split with them) otherwise
+(``kv_repeats``).
 
 Loss. Each rank scores its local tokens (the chunked LM head over ``L/sp`` tokens), then ``gather_tokens`` puts
 the full ``[L]`` logprobs on every sp rank. Every sequence-level quantity (GSPO's sequence ratio, sequence-mean
@@ -79,41 +81,73 @@ def local_bounds(length: int, rank: int, sp: int) -> tuple[int, int]:
     return rank * n, (rank + 1) * n
 
 
-def kv_repeats(num_kv_heads: int, sp: int) -> int:
-    """How many times each kv head is repeated so ``sp`` divides the kv head count (1: split as is)."""
+def head_split(heads: int, sp: int) -> list[int]:
+    """Query heads per sp rank: as even as possible (the first ``heads % sp`` ranks take one more)."""
+    if not 1 <= sp <= heads:
+        raise ValueError(f"sequence parallelism: sp={sp} needs 1 <= sp <= the {heads} attention heads")
+    return [heads // sp + (r < heads % sp) for r in range(sp)]
+
+
+def kv_repeats(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """How many times each kv head is repeated before the exchange. sp divides the query heads: the fewest
+    repeats that make it divide the kv heads too (1: split as is); otherwise the kv heads are repeated up to the
+    query heads and split with them (each rank's uneven query heads then have their own kv heads)."""
+    if num_heads % sp:
+        return num_heads // num_kv_heads
     return sp // math.gcd(num_kv_heads, sp)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Split ``x`` into ``sp`` chunks along ``scatter_dim``, send chunk j to rank j, concatenate what arrives
-    along ``gather_dim`` in rank order. Its gradient is the same exchange with the dims swapped."""
+def _seq_to_heads(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """``[H, L/sp, D]`` of this rank's tokens -> ``[sizes[rank], L, D]``: its heads over every rank's tokens."""
+    sp, rank = len(sizes), dist.get_rank(group)
+    h, n = sizes[rank], x.shape[1]
+    recv = x.new_empty((sp * h, *x.shape[1:]))
+    dist.all_to_all_single(recv, x.contiguous(), output_split_sizes=[h] * sp, input_split_sizes=sizes, group=group)
+    return recv.view(sp, h, n, -1).transpose(0, 1).reshape(h, sp * n, -1)
+
+
+def _heads_to_seq(y: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Inverse of ``_seq_to_heads``: ``[sizes[rank], L, D]`` -> ``[H, L/sp, D]``."""
+    sp, h = len(sizes), y.shape[0]
+    n = y.shape[1] // sp
+    send = y.reshape(h, sp, n, -1).transpose(0, 1).reshape(sp * h, n, -1)
+    recv = y.new_empty((sum(sizes), n, y.shape[-1]))
+    dist.all_to_all_single(recv, send, output_split_sizes=sizes, input_split_sizes=[h] * sp, group=group)
+    return recv
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """The Ulysses exchange; a permutation of elements across ranks, so its gradient is the inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, scatter_dim: int, gather_dim: int, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _exchange(x, scatter_dim, gather_dim, group)
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _seq_to_heads(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+        return _heads_to_seq(grad.contiguous(), ctx.sizes, ctx.group), None, None
 
 
-def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    sp = dist.get_world_size(group)
-    if x.shape[scatter_dim] % sp:
-        raise ValueError(f"all_to_all: dim {scatter_dim} of {tuple(x.shape)} is not divisible by sp={sp}")
-    send = torch.stack([c.contiguous() for c in x.chunk(sp, dim=scatter_dim)])  # [sp, ...chunk]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(list(recv.unbind(0)), dim=gather_dim)
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _heads_to_seq(y, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.sizes, ctx.group), None, None
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    """Differentiable all-to-all over ``group`` (identity for a group of one)."""
-    if group_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+def seq_to_heads(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Differentiable ``[H, L/sp, D]`` (sequence-sharded) -> ``[sizes[rank], L, D]`` (head-sharded) over ``group``."""
+    return _SeqToHeads.apply(x, sizes, group)
+
+
+def heads_to_seq(y: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Differentiable inverse of ``seq_to_heads``."""
+    return _HeadsToSeq.apply(y, sizes, group)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -142,14 +176,16 @@ def gather_tokens(local: torch.Tensor, group) -> torch.Tensor:
 
 def ulysses_attention(attention, module, query, key, value, attention_mask, group, **kwargs):
     """``attention`` (a transformers attention function) on sequence-sharded q/k/v ``[1, h, L/sp, D]``: heads
-    sharded for the call, sequence sharded again on return ``[1, L/sp, H, D]`` (module doc)."""
+    sharded for the call (``head_split``), sequence sharded again on return ``[1, L/sp, H, D]`` (module doc)."""
     sp = dist.get_world_size(group)
     heads, kv_heads = query.shape[1], key.shape[1]
-    if heads % sp:
-        raise ValueError(f"sequence parallelism: sp={sp} must divide the {heads} attention heads")
-    repeats = kv_repeats(kv_heads, sp)
+    repeats = kv_repeats(heads, kv_heads, sp)
     if repeats > 1:
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    q, k, v = (all_to_all(t, 1, 2, group) for t in (query, key, value))  # [1, h/sp, L, D]
-    out, weights = attention(module, q, k, v, attention_mask, **kwargs)  # [1, L, H/sp, D]
-    return all_to_all(out, 1, 2, group), weights
+    q_sizes = head_split(heads, sp)
+    kv_sizes = q_sizes if key.shape[1] == heads else head_split(key.shape[1], sp)
+    q = seq_to_heads(query[0], q_sizes, group).unsqueeze(0)  # [1, h_rank, L, D]
+    k, v = (seq_to_heads(t[0], kv_sizes, group).unsqueeze(0) for t in (key, value))
+    out, weights = attention(module, q, k, v, attention_mask, **kwargs)  # [1, L, h_rank, D]
+    out = heads_to_seq(out[0].transpose(0, 1), q_sizes, group)  # [H, L/sp, D]
+    return out.transpose(0, 1).unsqueeze(0), weights

@@ -84,3 +84,21 @@ def test_server_engines_validate_their_settings():
     with pytest.raises(ConfigError, match="max_model_len=16 is shorter"):
         load_config(overrides={"rollout.engine": "vllm", "rollout.vllm.max_model_len": 16})
     assert load_config(overrides={"rollout.engine": "vllm"}).rollout.weight_sync.method == "disk"
+
+
+def test_sp_size_splits_the_world_into_dp_groups_and_needs_packed_sdpa(tmp_path):
+    cfg = load_config(overrides={"train.world_size": 4, "train.sp_size": 2, "rollout.prompts_per_step": 4})
+    assert cfg.dp_size == 2
+    with pytest.raises(ConfigError, match=r"train.world_size=3 must be a multiple of train.sp_size=2"):
+        load_config(overrides={"train.world_size": 3, "train.sp_size": 2})
+    with pytest.raises(ConfigError, match=r"model.attn_implementation=sdpa .*packed_attention=true"):
+        load_config(overrides={"train.sp_size": 2, "train.packed_attention": False})
+    with pytest.raises(ConfigError, match=r"train.sp_size=4 .* num_attention_heads=2 and num_key_value_heads=1"):
+        load_config(overrides={"train.world_size": 4, "train.sp_size": 4})  # the tiny default has 2 heads
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_attention_heads": 9, "num_key_value_heads": 3}')
+    load_config(overrides={"model.path": str(model), "train.sp_size": 2})  # 9 heads over 2 ranks: 5 + 4
+    with pytest.raises(ConfigError, match=rf"{model} has num_attention_heads=9 and num_key_value_heads=3"):
+        load_config(overrides={"model.path": str(model), "train.world_size": 10, "train.sp_size": 10,
+                               "rollout.prompts_per_step": 8})  # fmt: skip
