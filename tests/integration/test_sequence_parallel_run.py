@@ -5,7 +5,7 @@ draws the same samples; only the training layout differs: dp = 2 x sp = 1 agains
 splitting every pack). The losses are global means, so the iterations must agree up to float summation order.
 Resume: a run checkpointed at sp = 2 continues at sp = 1 and one checkpointed at sp = 1 continues at sp = 2; both
 must reproduce the uninterrupted sp = 1 run's second iteration (DCP checkpoints; the sp ranks hold identical
-replicated weights and optimizer state).
+replicated weights and optimizer state; the 1 -> 2 hop also switches to FSDP2 over the flattened dp x sp mesh).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 NOT_COMPARED = ("time", "_per_s", "memory", "iteration", "efficient_attn_ratio")  # timings; the pack layout (dp)
 
 
-def _run(root: Path, experiment: str, sp: int, iterations: int, resume: bool = False) -> list[dict]:
+def _run(root: Path, experiment: str, sp: int, iterations: int, resume: bool = False, fsdp="auto") -> list[dict]:
     ov = tiny_overrides(root, **{"experiment": experiment, "iterations": iterations, "checkpoint.every": 1,
-                                 "train.world_size": 2, "train.sp_size": sp, "rollout.n": 8,
+                                 "train.world_size": 2, "train.sp_size": sp, "train.fsdp": fsdp, "rollout.n": 8,
                                  "sft.enabled": True, "sft.global_batch_size": 4, "model.warmup_sft_steps": 60})  # fmt: skip
     metrics = root / f"{experiment}.jsonl"
     argv = ["run", "--metrics", str(metrics), *(["--resume"] if resume else [])]
@@ -64,7 +64,8 @@ def test_sp2_run_matches_sp1_and_resumes_at_sp1(root, straight):
 
 
 def test_sp1_checkpoint_resumes_at_sp2(root, straight):
-    """A checkpoint written at sp = 1 continues at sp = 2 (1 -> 2) as the sp = 1 run does."""
+    """A checkpoint written at sp = 1 (replicated) continues at sp = 2 with FSDP2 over the flattened dp x sp mesh
+    (1 -> 2: DCP loads the full tensors into the mesh's shards) as the sp = 1 run does."""
     _run(root, "hop12", 1, 1)
-    rows = _run(root, "hop12", 2, 2, resume=True)
+    rows = _run(root, "hop12", 2, 2, resume=True, fsdp=True)
     _assert_rows_close(rows[1], straight[1], "resumed 1 -> 2, iteration 2")
