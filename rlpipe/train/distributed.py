@@ -37,6 +37,14 @@ def data_mesh(device: torch.device, world_size: int, sp_size: int = 1):
     return init_device_mesh(device.type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
 
 
+def fsdp_mesh(mesh):
+    """The mesh FSDP2 shards over: every rank (dp x sp, flattened), since the sp ranks of a group hold partial
+    gradients of the same packs and the reduction must span them as well as the dp ranks."""
+    if mesh.mesh_dim_names == ("dp",):
+        return mesh
+    return mesh["dp", "sp"]._flatten("dp_sp")
+
+
 def free_port() -> int:
     """An ephemeral TCP port that is free right now on this host (rank 0 hosts the rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

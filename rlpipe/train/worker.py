@@ -34,6 +34,7 @@ from rlpipe.train.distributed import (
     backend_for,
     data_mesh,
     free_port,
+    fsdp_mesh,
     init_process_group,
     pick_device,
     set_data_group,
@@ -107,7 +108,7 @@ class TrainingWorker(ServingExport):
 
             def shard(p: PolicyModel) -> PolicyModel:
                 apply_layer_options(p.hf, train.activation_checkpointing, train.compile)  # before fully_shard
-                return shard_policy(p, self._fsdp_mesh(), train.fsdp_reshard_after_forward,
+                return shard_policy(p, fsdp_mesh(self.mesh), train.fsdp_reshard_after_forward,
                                     mixed_precision_policy(train.mixed_precision))  # fmt: skip
 
             self._load_sharded(policy, model_dir, shard)
@@ -133,16 +134,9 @@ class TrainingWorker(ServingExport):
             return ref
         offload = self.cfg.train.ref_offload and self.device.type == "cuda"
         ref = self._empty_policy(path)
-        self._load_sharded(ref, path, lambda r: shard_reference(r, self._fsdp_mesh(), offload), offload)
+        self._load_sharded(ref, path, lambda r: shard_reference(r, fsdp_mesh(self.mesh), offload), offload)
         ref.sp_group = self.sp_group
         return ref
-
-    def _fsdp_mesh(self):
-        """FSDP2 shards over every rank (dp x sp, flattened): the sp ranks of a group hold partial gradients of the
-        same packs, so the reduction must span them as well as the dp ranks."""
-        if self.cfg.train.sp_size == 1:
-            return self.mesh["dp"]
-        return self.mesh["dp", "sp"]._flatten("dp_sp")
 
     def _scoring_attention(self) -> str:
         return scoring_attention(self.cfg.model.attn_implementation, self.cfg.train.packed_attention)
