@@ -1,6 +1,7 @@
 """Sequence parallelism (`train.sp_size`): peak memory per rank and step time, sp 1 vs 2, on SmolLM2-135M.
 
-Command (from the repo root; the defaults take ~15 min on 2 otherwise idle cores, most of it the sp 1 4k steps):
+Command (from the repo root; the recorded run, ``--lengths 1024 2048``, took 13 min on 2 cores at a load average
+of 8-10; the default adds 4096, several minutes per configuration more):
 
     .venv/bin/python bench/sequence_parallel.py [--lengths 1024 2048 4096] [--cap-mib 2048]
 
