@@ -225,7 +225,19 @@ class AlgoConfig(_Strict):
 class TrainConfig(_Strict):
     """Optimisation and parallelism of the training workers."""
 
-    world_size: int = Field(2, ge=1, description="Training workers (Ray actors), one rank each.")
+    world_size: int = Field(
+        2, ge=1, description="Training workers (Ray actors), one rank each: dp x sp_size (dp = world_size / sp_size)."
+    )
+    sp_size: int = Field(
+        1,
+        ge=1,
+        description="Sequence parallelism: split every pack's tokens over this many ranks (an sp group; Ulysses "
+        "attention, rlpipe.models.sequence_parallel). The sp ranks of a group train the same packs, each holding "
+        "1/sp_size of their activations; data is sharded over the dp = world_size / sp_size groups. Same logprobs, "
+        "losses and gradients as 1. Must divide world_size and be at most the model's attention heads (split as "
+        "evenly as possible; kv heads split or repeated to match); needs model.attn_implementation=sdpa with "
+        "train.packed_attention.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda with nccl if available, else cpu/gloo."
     )
@@ -404,8 +416,8 @@ class PipelineConfig(_Strict):
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: every training worker is one."""
-        return self.train.world_size
+        """Data-parallel ranks (groups of `train.sp_size` workers that train the same packs)."""
+        return self.train.world_size // self.train.sp_size
 
     @property
     def checkpoint_dir(self) -> Path:

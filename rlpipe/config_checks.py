@@ -53,6 +53,7 @@ def check_consistency(cfg: PipelineConfig) -> None:
         raise ValueError("rollout.weight_sync.method=nccl is vLLM's transfer; sglang syncs from disk")
     if cfg.algo.advantage in ("grpo", "rloo") and cfg.rollout.n < 2:
         raise ValueError(f"algo.advantage={cfg.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)")
+    _check_sequence_parallel(cfg)
     if cfg.rollout.prompts_per_step % cfg.dp_size != 0:
         raise ValueError("rollout.prompts_per_step must be a multiple of the data-parallel size")
 
@@ -72,6 +73,63 @@ def _check_replicas(cfg: PipelineConfig) -> None:
     if replicas > 1 and r.weight_sync.method == "nccl":
         raise ValueError("rollout.weight_sync.method=nccl streams to one server; with several replicas use disk "
                          "(the replicas get the weights through Ray's object store)")  # fmt: skip
+
+
+def _check_sequence_parallel(cfg: PipelineConfig) -> None:
+    """train.sp_size splits the world into sp groups and a pack's attention heads over a group's ranks."""
+    sp, train = cfg.train.sp_size, cfg.train
+    if sp == 1:
+        return
+    if train.world_size % sp:
+        raise ValueError(f"train.world_size={train.world_size} must be a multiple of train.sp_size={sp} (dp x sp)")
+    if cfg.model.attn_implementation != "sdpa" or not train.packed_attention:
+        raise ValueError(
+            f"train.sp_size={sp} runs Ulysses attention over rlpipe's packed sdpa: needs model.attn_implementation="
+            f"sdpa (got {cfg.model.attn_implementation}) and train.packed_attention=true (got {train.packed_attention})"
+        )
+    heads = model_head_counts(cfg)
+    if heads is not None:
+        check_sp_heads(sp, *heads, source=cfg.model.path or "model.tiny")
+
+
+def model_head_counts(cfg: PipelineConfig) -> tuple[int, int] | None:
+    """(attention heads, kv heads) of the configured model: the tiny shape, or model.path's config.json when it can
+    be read here (a path only the workers see is checked when they load it)."""
+    if cfg.model.path is None:
+        return cfg.model.tiny.num_heads, cfg.model.tiny.num_kv_heads
+    import json
+    from pathlib import Path
+
+    try:
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        heads = int(hf["num_attention_heads"])
+        return heads, int(hf.get("num_key_value_heads") or heads)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_sp_heads(sp: int, heads: int, kv_heads: int, source: str) -> None:
+    """Ulysses attention gives each sp rank at least one query head (split as evenly as possible when sp does not
+    divide them; kv heads are split or repeated to match, `rlpipe.models.sequence_parallel`)."""
+    if sp > heads:
+        raise ValueError(
+            f"train.sp_size={sp} is more than the model's attention heads: {source} has num_attention_heads={heads} "
+            f"and num_key_value_heads={kv_heads}; Ulysses attention needs at least one query head per sp rank"
+        )
+
+
+def check_model_sp_heads(hf_config, sp: int, source: str) -> None:
+    """`check_sp_heads` on a loaded model's config (the workers' check of a model.path the driver could not read);
+    raises ConfigError."""
+    if sp == 1:
+        return
+    from rlpipe.errors import ConfigError
+
+    heads = int(hf_config.num_attention_heads)
+    try:
+        check_sp_heads(sp, heads, int(getattr(hf_config, "num_key_value_heads", None) or heads), source)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_staleness(cfg: PipelineConfig) -> None:

@@ -406,6 +406,12 @@ def dp_shards(items: Sequence, dp_size: int) -> list[list]:
     return [list(items[rank::dp_size]) for rank in range(dp_size)]
 
 
+def mesh_shards(items: Sequence, dp_size: int, sp_size: int = 1) -> list[list]:
+    """Per rank of a (dp, sp) mesh (rank = dp_rank * sp_size + sp_rank): the ``dp_shards`` of its dp rank, so the
+    ``sp_size`` ranks of an sp group get the same items (they split each pack's tokens, not the packs)."""
+    return [shard for shard in dp_shards(items, dp_size) for _ in range(sp_size)]
+
+
 def scatter_to_rows(packs: Sequence[Pack], values: Sequence[torch.Tensor], num_rows: int) -> list[list[float]]:
     """Per-pack label-aligned ``[L]`` values -> per-row response-aligned lists (inverse of the packing layout).
 

@@ -18,9 +18,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from rlpipe.errors import DataError
 from rlpipe.models.packed_attention import PACKED_SDPA, PREFIX_OF_KWARG
+from rlpipe.models.sequence_parallel import (
+    SP_GROUP_KWARG,
+    gather_tokens,
+    group_size,
+    local_bounds,
+    pad_for_sp,
+)
 
 if TYPE_CHECKING:
     from rlpipe.data.packing import Pack
@@ -78,11 +86,14 @@ def packed_hidden_states(
     cu_seq_lens: torch.Tensor,
     check: bool = True,
     prefix_of: torch.Tensor | None = None,
+    sp_group=None,
 ) -> torch.Tensor:
     """Final hidden states ``[L, H]`` of a packed row (1-D ``input_ids``/``position_ids`` of length L).
 
     ``check=False`` skips the boundary check (a host sync) when the caller built the pack itself. ``prefix_of``
-    (shared prompts, see ``rlpipe.data.packing``) needs the ``PACKED_SDPA`` attention.
+    (shared prompts, see ``rlpipe.data.packing``) needs the ``PACKED_SDPA`` attention. With an ``sp_group`` of
+    more than one rank the row must already be padded to a multiple of its size (``pad_for_sp``), the backbone
+    runs on this rank's slice only (``local_bounds``) and the result is that slice's ``[L / sp, H]``.
     """
     if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
         raise DataError(
@@ -101,12 +112,23 @@ def packed_hidden_states(
             f"model uses {getattr(model.config, '_attn_implementation', None)!r}: pack with share_prompts=False",
             field="prefix_of",
         )
+    sp = group_size(sp_group)
+    if sp > 1 and not packed_sdpa:
+        raise DataError(
+            f"train.sp_size={sp} needs attn_implementation {PACKED_SDPA!r} (model.attn_implementation=sdpa with "
+            f"train.packed_attention=true); this model uses {getattr(model.config, '_attn_implementation', None)!r}",
+            field="train.sp_size",
+        )
     if packed_sdpa:  # per-sequence attention, no L x L mask
         max_len = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if cu_seq_lens.numel() > 1 else 0
         varlen = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max_len,
                   "max_length_k": max_len}  # fmt: skip
         if prefix_of is not None:
             varlen[PREFIX_OF_KWARG] = prefix_of
+    if sp > 1:
+        start, end = local_bounds(input_ids.numel(), dist.get_rank(sp_group), sp)
+        input_ids, position_ids = input_ids[start:end], position_ids[start:end]
+        varlen[SP_GROUP_KWARG] = sp_group
     out = backbone(
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
@@ -134,12 +156,15 @@ def token_logprobs(
     chunk_size: int = 1024,
     prefix_of: torch.Tensor | None = None,
     temperature: float = 1.0,
+    sp_group=None,
 ) -> torch.Tensor:
     """Logprob of ``shifted_labels[t]`` at every position ``t`` (``[L]``, 0 where the label is -100), under
     ``softmax(logits / temperature)`` (RL scores at the sampling temperature; 1 is exactly the untempered value).
 
     Call either as ``token_logprobs(model, pack, chunk_size=...)`` with a ``rlpipe.data.packing.Pack`` or with the
     four tensors. Logits are never materialised for all tokens at once (``rlpipe.algos.logprobs.chunked_logprobs``).
+    With an ``sp_group`` (``train.sp_size`` > 1) every rank of the group passes the same pack, scores its slice
+    of the tokens and returns the full ``[L]`` (``rlpipe.models.sequence_parallel``).
     """
     if not isinstance(input_ids, torch.Tensor):
         pack = input_ids
@@ -150,5 +175,16 @@ def token_logprobs(
     # Imported here: rlpipe.algos is a sibling package and must stay importable without models.
     from rlpipe.algos.logprobs import chunked_logprobs
 
-    hidden = packed_hidden_states(model, input_ids, position_ids, cu_seq_lens, prefix_of=prefix_of)
-    return chunked_logprobs(hidden, lm_head_weight(model), shifted_labels.to(hidden.device), chunk_size, temperature)
+    sp = group_size(sp_group)
+    if sp == 1:
+        hidden = packed_hidden_states(model, input_ids, position_ids, cu_seq_lens, prefix_of=prefix_of)
+        return chunked_logprobs(hidden, lm_head_weight(model), shifted_labels.to(hidden.device), chunk_size,
+                                temperature)  # fmt: skip
+    length = input_ids.numel()
+    check_packed_positions(position_ids, cu_seq_lens, prefix_of)  # on the whole row, before it is split
+    ids, pos, cu, labels, prefix_of = pad_for_sp(input_ids, position_ids, cu_seq_lens, shifted_labels, prefix_of, sp)
+    hidden = packed_hidden_states(model, ids, pos, cu, check=False, prefix_of=prefix_of, sp_group=sp_group)
+    start, end = local_bounds(ids.numel(), dist.get_rank(sp_group), sp)
+    local = chunked_logprobs(hidden, lm_head_weight(model), labels[start:end].to(hidden.device), chunk_size,
+                             temperature)  # fmt: skip
+    return gather_tokens(local, sp_group)[:length]

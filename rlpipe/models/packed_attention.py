@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from rlpipe.models.sequence_parallel import SP_GROUP_KWARG, group_size, ulysses_attention
+
 PACKED_SDPA = "rlpipe_packed_sdpa"
 PREFIX_OF_KWARG = "rlpipe_prefix_of"  # forward kwarg: per segment, the index of its shared-prompt segment or -1
 
@@ -55,7 +57,14 @@ def packed_sdpa_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [1, H, L, D]``, ``key/value [1, Hkv, L, D]`` -> ``[1, L, H, D]``."""
+    """transformers attention function: ``query [1, H, L, D]``, ``key/value [1, Hkv, L, D]`` -> ``[1, L, H, D]``.
+
+    With an sp group of more than one rank (kwarg ``SP_GROUP_KWARG``, `train.sp_size`), q/k/v hold this rank's
+    slice of the pack and the call runs as Ulysses attention (``rlpipe.models.sequence_parallel``)."""
+    sp_group = kwargs.pop(SP_GROUP_KWARG, None)
+    if group_size(sp_group) > 1:
+        return ulysses_attention(packed_sdpa_attention, module, query, key, value, attention_mask, sp_group,
+                                 dropout=dropout, scaling=scaling, **kwargs)  # fmt: skip
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
         raise RuntimeError(

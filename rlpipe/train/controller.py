@@ -3,7 +3,8 @@
 The group's strategy is `train.placement` (pack: Ray PACK, spread: STRICT_SPREAD) and each bundle adds the custom
 `train.resources`; a group the cluster cannot place within `train.placement_timeout_s` is an error naming them.
 
-Packs are split over data-parallel ranks round-robin (`dp_shards`) (the packer already padded their number to a multiple of dp).
+Packs are split over data-parallel ranks round-robin (`dp_shards`) (the packer already padded their number to a multiple of dp);
+with `train.sp_size` > 1 the ranks of an sp group get the same shard (`mesh_shards`) and return the same results.
 A lost actor or node surfaces as `RecoverableError`, which the Flyte layer turns into a retry that resumes from
 the last complete checkpoint.
 """
@@ -16,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rlpipe.config import PipelineConfig
-from rlpipe.data.packing import Pack, dp_shards
+from rlpipe.data.packing import Pack, mesh_shards
 from rlpipe.errors import ConfigError, RecoverableError
 from rlpipe.ray_env import ensure_ray, lost_worker_errors
 from rlpipe.rollout.engine import Generation, SamplingParams
@@ -36,6 +37,7 @@ class TrainingController:
         self.cfg = cfg
         self.world_size = cfg.train.world_size
         self.dp_size = cfg.dp_size
+        self.sp_size = cfg.train.sp_size
         use_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cluster_has_gpus())
         bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
         self._pg = place_trainers(cfg, {**bundle, **cfg.train.resources})
@@ -173,15 +175,16 @@ class TrainingController:
         return self._all("weights_digest")[0]
 
     def _shards(self, items: list) -> list[list]:
-        """One shard per rank (`rlpipe.data.packing.dp_shards`)."""
-        return dp_shards(items, self.dp_size)
+        """One shard per rank (`rlpipe.data.packing.mesh_shards`: sp ranks of a group share theirs)."""
+        return mesh_shards(items, self.dp_size, self.sp_size)
 
     def _unshard(self, results: list[list], total: int) -> list:
-        """Inverse of `dp_shards`: per-rank results back in the original order."""
+        """Inverse of `mesh_shards`: per-rank results back in the original order (the first sp rank's of a group;
+        the others hold the same)."""
         out: list = [None] * total
-        for rank in range(self.world_size):
-            for j, value in enumerate(results[rank]):
-                out[rank + j * self.dp_size] = value
+        for dp_rank in range(self.dp_size):
+            for j, value in enumerate(results[dp_rank * self.sp_size]):
+                out[dp_rank + j * self.dp_size] = value
         return out
 
     def shutdown(self) -> None:

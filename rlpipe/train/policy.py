@@ -27,6 +27,7 @@ class PolicyModel(nn.Module):
         self.hf = hf_model
         self.chunk_size = chunk_size
         self.autocast_dtype = autocast_dtype  # replicated mixed precision (`autocast_dtype`); None: parameter dtype
+        self.sp_group = None  # `train.sp_size` > 1: the sp process group each pack's tokens are split over
 
     def forward(
         self,
@@ -39,7 +40,7 @@ class PolicyModel(nn.Module):
     ) -> torch.Tensor:
         with torch.autocast(input_ids.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = token_logprobs(self.hf, input_ids, position_ids, cu_seq_lens, shifted_labels, self.chunk_size,
-                                 prefix_of, temperature)  # fmt: skip
+                                 prefix_of, temperature, self.sp_group)  # fmt: skip
         return out.clone()  # FSDP2 warns about (and mishandles in-place ops on) a view returned from forward
 
     def logprobs(self, pack: Pack, temperature: float = 1.0) -> torch.Tensor:

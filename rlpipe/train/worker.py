@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rlpipe.algos.logprobs import scoring_temperature
 from rlpipe.config import PipelineConfig
+from rlpipe.config_checks import check_model_sp_heads
 from rlpipe.data.packing import Pack
 from rlpipe.models.loading import empty_model, load_model
 from rlpipe.models.packed_attention import scoring_attention
@@ -31,9 +32,12 @@ from rlpipe.train.distributed import (
     all_reduce_grads,
     all_reduce_sum,
     backend_for,
+    data_mesh,
     free_port,
+    fsdp_mesh,
     init_process_group,
     pick_device,
+    set_data_group,
 )
 from rlpipe.train.metrics import FitMetrics, SFTMetrics, TrainStepMetrics
 from rlpipe.train.objective import BatchStats, StepSums, batch_statistics, rl_microbatch_loss, sft_microbatch_loss
@@ -79,7 +83,10 @@ class TrainingWorker(ServingExport):
         """Join the process group, build the sharded policy, optimizer and (if KL is on) the reference model."""
         _seed_everything(self.cfg.train.seed + self.rank, self.cfg.train.deterministic)
         init_process_group(self.rank, self.world_size, master_addr, master_port, backend_for(self.device))
-        self.mesh = _data_mesh(self.device, self.world_size)
+        self.mesh = data_mesh(self.device, self.world_size, self.cfg.train.sp_size)
+        self.sp_group = self.mesh["sp"].get_group() if self.cfg.train.sp_size > 1 else None
+        if self.sp_group is not None:
+            set_data_group(self.mesh["dp"].get_group())  # sp ranks share packs: count their statistics once
         self.policy = self._build_policy(self.model_dir)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.train, self.device.type)
         self.ref = self._build_reference() if self.cfg.algo.use_kl_loss else None
@@ -95,12 +102,13 @@ class TrainingWorker(ServingExport):
         `train.activation_checkpointing` / `compile` on its decoder layers and `train.mixed_precision` applied."""
         train = self.cfg.train
         policy = self._empty_policy(model_dir)  # meta parameters: the layout is decided from the size alone
+        check_model_sp_heads(policy.hf.config, train.sp_size, model_dir)
         self._sharded = dist.is_initialized() and resolve_small_model_auto(train.fsdp, policy)
         if self._sharded:
 
             def shard(p: PolicyModel) -> PolicyModel:
                 apply_layer_options(p.hf, train.activation_checkpointing, train.compile)  # before fully_shard
-                return shard_policy(p, self.mesh["dp"], train.fsdp_reshard_after_forward,
+                return shard_policy(p, fsdp_mesh(self.mesh), train.fsdp_reshard_after_forward,
                                     mixed_precision_policy(train.mixed_precision))  # fmt: skip
 
             self._load_sharded(policy, model_dir, shard)
@@ -109,6 +117,7 @@ class TrainingWorker(ServingExport):
             apply_layer_options(policy.hf, train.activation_checkpointing, train.compile)
             policy.autocast_dtype = autocast_dtype(train.mixed_precision)
         policy.hf.config.use_cache = False
+        policy.sp_group = self.sp_group
         policy.train()
         return policy
 
@@ -121,10 +130,12 @@ class TrainingWorker(ServingExport):
             ref = self._loaded_policy(path, "cpu")
             ref.eval().requires_grad_(False)
             ref.autocast_dtype = autocast_dtype(self.cfg.train.mixed_precision)  # scored like the policy
+            ref.sp_group = self.sp_group
             return ref
         offload = self.cfg.train.ref_offload and self.device.type == "cuda"
         ref = self._empty_policy(path)
-        self._load_sharded(ref, path, lambda r: shard_reference(r, self.mesh["dp"], offload), offload)
+        self._load_sharded(ref, path, lambda r: shard_reference(r, fsdp_mesh(self.mesh), offload), offload)
+        ref.sp_group = self.sp_group
         return ref
 
     def _scoring_attention(self) -> str:
@@ -307,8 +318,9 @@ class TrainingWorker(ServingExport):
         )
 
     def _grad_scale(self) -> float:
-        """FSDP2 averages gradients over dp ranks; the loss is already a global mean, so undo the average."""
-        return float(self.mesh["dp"].size()) if self._is_sharded() else 1.0
+        """FSDP2 averages gradients over all its ranks (dp x sp); the loss is already a global mean and each sp
+        rank's gradient a partial sum, so undo the average."""
+        return float(self.world_size) if self._is_sharded() else 1.0
 
     def _is_sharded(self) -> bool:
         return self._sharded
@@ -406,13 +418,6 @@ class TrainingWorker(ServingExport):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _data_mesh(device: torch.device, world_size: int):
-    """The data-parallel mesh FSDP2 shards over (every rank is one dp rank)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
 def _global_counts(packs: list[Pack], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

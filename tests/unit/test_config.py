@@ -118,3 +118,21 @@ def test_trainer_placement_defaults_and_resources():
         load_config(overrides={"train.resources": {"trainer": 0}})
     with pytest.raises(ConfigError, match=r"train\.placement_timeout_s"):
         load_config(overrides={"train.placement_timeout_s": 0})
+
+
+def test_sp_size_splits_the_world_into_dp_groups_and_needs_packed_sdpa(tmp_path):
+    cfg = load_config(overrides={"train.world_size": 4, "train.sp_size": 2, "rollout.prompts_per_step": 4})
+    assert cfg.dp_size == 2
+    with pytest.raises(ConfigError, match=r"train.world_size=3 must be a multiple of train.sp_size=2"):
+        load_config(overrides={"train.world_size": 3, "train.sp_size": 2})
+    with pytest.raises(ConfigError, match=r"model.attn_implementation=sdpa .*packed_attention=true"):
+        load_config(overrides={"train.sp_size": 2, "train.packed_attention": False})
+    with pytest.raises(ConfigError, match=r"train.sp_size=4 .* num_attention_heads=2 and num_key_value_heads=1"):
+        load_config(overrides={"train.world_size": 4, "train.sp_size": 4})  # the tiny default has 2 heads
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_attention_heads": 9, "num_key_value_heads": 3}')
+    load_config(overrides={"model.path": str(model), "train.sp_size": 2})  # 9 heads over 2 ranks: 5 + 4
+    with pytest.raises(ConfigError, match=rf"{model} has num_attention_heads=9 and num_key_value_heads=3"):
+        load_config(overrides={"model.path": str(model), "train.world_size": 10, "train.sp_size": 10,
+                               "rollout.prompts_per_step": 8})  # fmt: skip
