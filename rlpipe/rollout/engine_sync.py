@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from rlpipe.errors import RolloutServerError, WeightSyncError
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.probe import ProbeSequence, check_probe, compare_probe
+from rlpipe.rollout.serving_dir import published_bytes
 
 Publish = Callable[[int], str | None]  # the serving dir, or None when streamed
 TrainerProbe = Callable[[list[ProbeSequence]], list[list[float]]]
@@ -43,6 +44,7 @@ class SyncStats:
     verify_time_s: float = 0.0
     probe_max_abs_diff: float = 0.0
     restarts: int = 0
+    sync_bytes: int = 0  # bytes of the published weight files the engine loaded (LoRA: the adapter only)
 
     def sync_metrics(self) -> dict[str, float]:
         """What syncing cost and how close the probe came: the `engine/*` columns of a sync."""
@@ -59,6 +61,7 @@ class SyncStats:
             "engine/load_time_s": self.load_time_s,
             "engine/verify_time_s": self.verify_time_s,
             "engine/probe_max_abs_diff": self.probe_max_abs_diff,
+            "engine/sync_bytes": float(self.sync_bytes),
         }
 
     def row(self, version: int | None) -> dict[str, float]:
@@ -133,6 +136,7 @@ class EngineSync:
         loaded = time.perf_counter()
         self.verify(version)
         self.stats.syncs += 1
+        self.stats.sync_bytes += published_bytes(serving_dir)
         self.stats.publish_time_s += publish_s
         self.stats.load_time_s += loaded - published
         self.stats.verify_time_s += time.perf_counter() - loaded

@@ -165,23 +165,26 @@ def _nccl_publisher(controller, engine, bucket_bytes: int):
 
 def _vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_token_id: int | None, log):
     from rlpipe.rollout.vllm_engine import VLLMEngine
+    from rlpipe.rollout.vllm_lora import VLLMLoRAEngine
     from rlpipe.rollout.vllm_process import VLLMServer
 
+    engine_cls = VLLMLoRAEngine if cfg.model.lora.enabled else VLLMEngine  # LoRA: syncs load only the adapter
     if cfg.rollout.server_url:
-        return VLLMEngine(cfg.rollout.server_url, name, eos_token_id)
+        return engine_cls(cfg.rollout.server_url, name, eos_token_id)
     import torch
 
     server = VLLMServer(managed_server_spec(cfg, model_dir, name, on_gpu=torch.cuda.is_available()), log=log)
     server.start()
-    return VLLMEngine(None, name, eos_token_id, server=server)
+    return engine_cls(None, name, eos_token_id, server=server)
 
 
 def managed_server_spec(cfg: PipelineConfig, model_dir: str, name: str, on_gpu: bool):
     """How rlpipe starts its own vLLM server for this config (`rollout.vllm.*`); on CPU, with `cpu_server_args`
     first (the user's `extra_args` come after them, so theirs win)."""
+    from rlpipe.rollout.vllm_lora import LORA_SERVER_ENV, lora_server_args
     from rlpipe.rollout.vllm_process import VLLMServerSpec, check_cpu_head_dim, cpu_server_args, resolve_vllm_python
 
-    r, v = cfg.rollout, cfg.rollout.vllm
+    r, v, lora = cfg.rollout, cfg.rollout.vllm, cfg.model.lora
     max_model_len = v.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens
     if not on_gpu:
         check_cpu_head_dim(str(Path(model_dir).resolve()))
@@ -196,8 +199,10 @@ def managed_server_spec(cfg: PipelineConfig, model_dir: str, name: str, on_gpu: 
         kv_cache_gib=v.kv_cache_gib,
         gpu_memory_utilization=v.gpu_memory_utilization,
         extra_args=([] if on_gpu else cpu_server_args(max_model_len))
+        + (lora_server_args(lora.rank) if lora.enabled else [])
         + list(v.extra_args)
         + (["--weight-transfer-config", '{"backend": "nccl"}'] if r.weight_sync.method == "nccl" else []),
+        extra_env=dict(LORA_SERVER_ENV) if lora.enabled else {},
         log_path=str(Path(cfg.output_dir).resolve() / "logs" / f"vllm-{cfg.experiment}.log"),
         startup_timeout_s=v.startup_timeout_s,
     )

@@ -38,6 +38,7 @@ class VLLMServerSpec:
     gpu_memory_utilization: float = 0.5
     logprobs_mode: str = "processed_logprobs"
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING for LoRA
     log_path: str = "vllm-server.log"
     startup_timeout_s: float = 600.0
 
@@ -61,6 +62,7 @@ class VLLMServerSpec:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.kv_cache_gib))))
         env["VLLM_SERVER_DEV_MODE"] = "1"  # admin routes for weight sync
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.update(self.extra_env)
         env.pop("PYTHONPATH", None)  # the server's venv must not import the trainer's packages
         return env
 
