@@ -114,7 +114,7 @@ def measure_engine(model_dir: str, results: dict, args, log=print) -> dict:
     spec = VLLMServerSpec(python=resolve_vllm_python(None), model_dir=model_dir, served_model_name="policy",
                           max_model_len=max_len, log_path=str(REPO / "runs" / "bench" / "lora-vllm.log"),
                           extra_args=cpu_server_args(max_len) + lora_server_args(args.rank),
-                          extra_env=dict(LORA_SERVER_ENV), startup_timeout_s=1800)  # fmt: skip
+                          extra_env=dict(LORA_SERVER_ENV), startup_timeout_s=args.vllm_timeout)  # fmt: skip
     server = VLLMServer(spec, log=log)
     start = time.perf_counter()
     server.start()
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds the server may take to start")
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one trainer measurement
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
@@ -198,9 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, __file__, *passthrough, "--variant", variant, "--json", str(out)], check=True)
         results[variant] = json.loads(out.read_text())
         print(json.dumps(results[variant]))
-    engine = None if args.no_vllm else measure_engine(model_dir, results, args)
+    engine, engine_error = None, None
+    if not args.no_vllm:
+        from rlpipe.errors import RolloutServerError
+
+        try:
+            engine = measure_engine(model_dir, results, args)
+        except RolloutServerError as e:  # e.g. start-up slower than --vllm-timeout on a loaded machine
+            engine_error = str(e).splitlines()[0]
     load = f"{load_before} at the start, {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end"
-    body = _body(results, engine, load)
+    body = _body(results, engine, load) + (f"\n- vLLM side failed: {engine_error}" if engine_error else "")
     print(body)
     if not args.no_record:
         write_section("LoRA vs full fine-tuning: sync, memory, step time (SmolLM2-135M)", body, None, __file__, argv)

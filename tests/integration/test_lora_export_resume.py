@@ -27,9 +27,12 @@ def _cfg(tmp_path, **extra):
                 "segment_size": 2,
                 "train.world_size": 2,
                 "train.fsdp": True,
+                "model.warmup_sft_steps": 180,  # the default warm start: groups with a reward signal
+                "rollout.prompts_per_step": 16,
+                "rollout.n": 8,
                 **extra,
             },
-        )  # fmt: skip
+        )
     )
 
 
@@ -46,6 +49,7 @@ def trained(tmp_path_factory, ray_session):
     tmp = tmp_path_factory.mktemp("lora-export")
     cfg = _cfg(tmp)
     result = run_segment(cfg, None, 2, log=lambda m: None)
+    assert any(row["grad_norm"] > 0 for row in result.metrics)  # groups with a reward signal: the adapters moved
     return tmp, cfg, prepare_base_model(cfg, log=lambda m: None), result.checkpoint
 
 
