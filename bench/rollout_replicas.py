@@ -55,7 +55,7 @@ def start_pool(model_dir: str, replicas: int, trainer: Trainer):
     for i in range(replicas):
         spec = VLLMServerSpec(python=str(HERE.parent / ".venv-vllm/bin/python"), model_dir=model_dir,
                               served_model_name="policy", max_model_len=256, extra_args=cpu_server_args(256),
-                              env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())})  # fmt: skip
+                              extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())})  # fmt: skip
         actors.append(ray.remote(EngineReplica).options(num_cpus=0).remote(spec, base, i, None))
     engines = [RemoteEngine(a, i) for i, a in enumerate(actors)]
 

@@ -30,6 +30,7 @@ PINNED_PACKAGES = [
     "tokenizers==0.23.3",
     "safetensors==0.8.0",
     "accelerate==1.15.0",
+    "peft==0.21.2",
     "pandas==3.1.1",
     "pyarrow==26.0.1",
     "pydantic==2.14.4",

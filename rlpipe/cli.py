@@ -1,4 +1,5 @@
-"""`rlpipe` command line: run the pipeline without Flyte, inspect lineage, import GGUF, write built-in data."""
+"""`rlpipe` command line: run the pipeline without Flyte, inspect lineage, export a checkpoint, import GGUF, write
+built-in data."""
 
 from __future__ import annotations
 
@@ -103,6 +104,24 @@ def _lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """The checkpoint's policy as a HF model dir, with the config it was trained with (its `config.json`); a
+    LoRA policy also gets its peft adapter in `<out>/adapter` (the merged model is `<out>` itself)."""
+    from rlpipe.config import _set_dotted, parse_override, validate_config
+    from rlpipe.io import read_json
+    from rlpipe.phases import export_hf
+    from rlpipe.train.checkpoint import CONFIG_NAME, verify_checkpoint
+
+    verify_checkpoint(args.checkpoint)
+    saved = Path(args.checkpoint) / CONFIG_NAME
+    raw = read_json(saved, what="checkpoint config", error=RlpipeError)
+    for key, value in (parse_override(o) for o in args.set):
+        _set_dotted(raw, key, value)
+    cfg = validate_config(raw, source=str(saved))
+    print(export_hf(cfg, args.checkpoint, args.out_dir))
+    return 0
+
+
 def _import_gguf(args: argparse.Namespace) -> int:
     from rlpipe.models.gguf_import import find_smollm2_gguf, import_gguf
 
@@ -135,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("checkpoint")
     lineage.add_argument("--format", choices=["text", "json", "html", "mermaid", "dot"], default="text")
     lineage.set_defaults(func=_lineage)
+
+    export = sub.add_parser("export", help="write a checkpoint's policy as a HF model dir (LoRA: + peft adapter)")
+    export.add_argument("checkpoint")
+    export.add_argument("out_dir")
+    export.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. train.world_size=1")
+    export.set_defaults(func=_export)
 
     gguf = sub.add_parser("import-gguf", help="convert a GGUF file into a regular HF model directory")
     gguf.add_argument("out_dir")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlpipe.config_checks import check_consistency
 from rlpipe.errors import ConfigError
 from rlpipe.io import NAME_PATTERN, check_name
+from rlpipe.models.lora import LoRAConfig
 from rlpipe.models.tiny import TinyModelConfig
 
 SEED_LIMIT = 2**63
@@ -41,6 +42,11 @@ class ModelConfig(_Strict):
         "sdpa", description="transformers attention backend (sdpa, eager, flash_attention_2)."
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the tiny default model.")
+    lora: LoRAConfig = Field(
+        default_factory=LoRAConfig,
+        description="LoRA adapters (peft): train only them; the KL reference is the base (adapters off); a vLLM "
+        "engine is synced with the adapter alone.",
+    )
     warmup_sft_steps: int = Field(
         180,
         ge=0,
@@ -215,7 +221,11 @@ class AlgoConfig(_Strict):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="How per-token losses become one number (token-mean uses the global token count)."
     )
-    use_kl_loss: bool = Field(False, description="Add a KL-to-reference term to the loss (builds a reference model).")
+    use_kl_loss: bool = Field(
+        False,
+        description="Add a KL-to-reference term to the loss (builds a reference model; with model.lora the "
+        "reference is the base, i.e. the policy with its adapters off, and no second model is built).",
+    )
     kl_coef: float = Field(0.001, ge=0, description="Weight of the KL term.")
     kl_kind: str = Field("low_var_kl", description="KL estimator (k1, abs, k2, k3/low_var_kl).")
     rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig, description="Rollout importance sampling.")

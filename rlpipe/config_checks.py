@@ -51,6 +51,7 @@ def check_consistency(cfg: PipelineConfig) -> None:
         )
     if cfg.rollout.engine == "sglang" and cfg.rollout.weight_sync.method == "nccl":
         raise ValueError("rollout.weight_sync.method=nccl is vLLM's transfer; sglang syncs from disk")
+    _check_lora(cfg)
     if cfg.algo.advantage in ("grpo", "rloo") and cfg.rollout.n < 2:
         raise ValueError(f"algo.advantage={cfg.algo.advantage} needs rollout.n >= 2 (a group of one has no baseline)")
     _check_sequence_parallel(cfg)
@@ -130,6 +131,30 @@ def check_model_sp_heads(hf_config, sp: int, source: str) -> None:
         check_sp_heads(sp, heads, int(getattr(hf_config, "num_key_value_heads", None) or heads), source)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_lora(cfg: PipelineConfig) -> None:
+    """model.lora trains adapters over a frozen base: what the base-only or full-weight paths cannot do with it."""
+    if not cfg.model.lora.enabled:
+        return
+    if cfg.train.ref_load_from:
+        raise ValueError(
+            "model.lora.enabled: the KL reference is the base model (the policy with its adapters off); "
+            "train.ref_load_from cannot name another one"
+        )
+    if cfg.rollout.engine == "sglang":
+        raise ValueError("model.lora.enabled with rollout.engine=sglang: adapter sync is implemented for vllm and hf")
+    if cfg.rollout.weight_sync.method == "nccl":
+        raise ValueError(
+            "model.lora.enabled: the adapter is synced from disk (megabytes); rollout.weight_sync.method=nccl "
+            "streams full weights: use method=disk"
+        )
+    if cfg.rollout.engine == "vllm" and (cfg.rollout.vllm.replicas > 1 or cfg.rollout.vllm.resources):
+        raise ValueError(
+            "model.lora.enabled with managed engine replicas (rollout.vllm.replicas > 1 or rollout.vllm.resources): "
+            "the replica actors sync full weights only; use one managed server, or list LoRA-enabled servers in "
+            "rollout.server_urls"
+        )
 
 
 def _check_staleness(cfg: PipelineConfig) -> None:

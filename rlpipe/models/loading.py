@@ -142,8 +142,11 @@ def load_safetensors_into(model: nn.Module, path: str | Path) -> None:
 
     The parameters may be FSDP2-sharded DTensors: each rank reads only the rows of its own shards, straight into
     them (``rlpipe.models.shard_reader``), so no rank holds the full model or a mapped copy of the file. Tied
-    parameters are one parameter (listed once, under the name the file keeps).
+    parameters are one parameter (listed once, under the name the file keeps). A model with LoRA adapters
+    (``rlpipe.models.lora``) gets its base weights (``q_proj.base_layer.weight`` <- ``q_proj.weight``); the adapters
+    are not in the files and are left for ``init_adapter_weights``.
     """
+    from rlpipe.models.lora import base_weight_name, is_adapter_param
     from rlpipe.models.shard_reader import load_rows, read_index
 
     p = _model_dir(path)
@@ -153,7 +156,7 @@ def load_safetensors_into(model: nn.Module, path: str | Path) -> None:
             "save_pretrained(..., safe_serialization=True)"
         )
     in_files = read_index(p)
-    state: dict[str, torch.Tensor] = dict(model.named_parameters())
+    state = {base_weight_name(n): t for n, t in model.named_parameters() if not is_adapter_param(n)}
     state.update({name: b for name, b in model.named_buffers() if name in in_files})
     load_rows(state, in_files, p)
 

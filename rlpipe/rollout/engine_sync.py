@@ -34,6 +34,7 @@ from rlpipe.rollout.probe import (
     default_probe_noise,
     relative_probe,
 )
+from rlpipe.rollout.serving_dir import published_bytes
 
 Publish = Callable[[int], str | None]  # the serving dir, or None when streamed
 TrainerProbe = Callable[[list[ProbeSequence]], list[list[float]]]
@@ -54,6 +55,7 @@ class SyncStats:
     check_time_s: float = 0.0  # the part of load + verify spent on the stale-engine checks (relative, engine-side)
     restarts: int = 0
     evidence: dict[str, float] = field(default_factory=dict)  # the engine's own checks (`last_check_metrics`)
+    sync_bytes: int = 0  # bytes of the published weight files the engine loaded (LoRA: the adapter only)
 
     def sync_metrics(self) -> dict[str, float]:
         """What syncing cost and how close the probe came: the `engine/*` columns of a sync."""
@@ -73,6 +75,7 @@ class SyncStats:
             "engine/probe_separation": self.probe_separation,
             "engine/probe_inconclusive": self.probe_inconclusive,
             "engine/check_time_s": self.check_time_s,
+            "engine/sync_bytes": float(self.sync_bytes),
             **self.evidence,
         }
 
@@ -152,6 +155,7 @@ class EngineSync:
         loaded = time.perf_counter()
         self.verify(version)
         self.stats.syncs += 1
+        self.stats.sync_bytes += getattr(self.engine, "last_load_bytes", 0) or published_bytes(serving_dir)
         self.stats.publish_time_s += publish_s
         self.stats.load_time_s += loaded - published
         self.stats.verify_time_s += time.perf_counter() - loaded

@@ -55,10 +55,12 @@ class EngineReplica:
         """Write `weights` (safetensors bytes) as this node's copy of `version` and load it (a path: load that)."""
         from rlpipe.rollout.serving_dir import write_serving_bytes
 
+        size = len(weights) if isinstance(weights, bytes) else 0
         if isinstance(weights, bytes):
             weights = str(write_serving_bytes(weights, self.root / "base", self.root / "serving", version))
         self.engine.load_weights(weights, version)
-        return {"served_dir": weights, "check_s": self.engine.last_check_s, "checks": self.engine.last_check_metrics}
+        return {"served_dir": weights, "check_s": self.engine.last_check_s, "checks": self.engine.last_check_metrics,
+                "bytes": size}  # fmt: skip
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         return self.engine.score(prompt_ids, response_ids)
@@ -96,6 +98,7 @@ class RemoteEngine:
         self.served_dir: str | None = None
         self.last_check_s = 0.0
         self.last_check_metrics: dict[str, float] = {}
+        self.last_load_bytes = 0  # what the last load pulled through the object store (`engine/sync_bytes`)
         self.where = self._call("describe")
         self.name = f"vllm replica {index} ({self.where['url']} on node {self.where['node_id'][:12]})"
 
@@ -119,6 +122,7 @@ class RemoteEngine:
         self.served_version = None  # unverified until the caller's probe passes
         out = self._call("load", weights, version)
         self.served_dir, self.last_check_s, self.last_check_metrics = out["served_dir"], out["check_s"], out["checks"]
+        self.last_load_bytes = out["bytes"]
         self.served_version = version
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

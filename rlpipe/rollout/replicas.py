@@ -76,6 +76,7 @@ class ReplicaPool:
             probe_separation=_nan_min([s.probe_separation for s in per]),
             probe_inconclusive=max(s.probe_inconclusive for s in per),
             check_time_s=max(s.check_time_s for s in per), restarts=self._restarts + sum(s.restarts for s in per),
+            sync_bytes=sum(s.sync_bytes for s in per),
         )  # fmt: skip
         if len(self.syncs) == 1:
             merged.evidence = dict(per[0].evidence)

@@ -1,4 +1,5 @@
-"""Published weights on disk: the HF model directory a server engine reloads after an update.
+"""Published weights on disk: the HF model directory a server engine reloads after an update, or (LoRA) the peft
+adapter directory it loads beside the base model.
 
 A directory per weight version (`v00000042`), written under a temporary name and renamed, so an engine (or a
 restarted one) never reads half of one; the LM head is written explicitly even when tied (`serving_state_dict`).
@@ -27,6 +28,7 @@ _MODEL_SIDE_FILES = (
     "tokenizer.model",
 )
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"  # peft's name
 VERSION_FILE = "rlpipe_weight_version.json"
 
 
@@ -61,11 +63,12 @@ def write_serving_dir(
     Written to a temporary name and renamed, so an engine (or a restart) never reads a half-written directory.
     Older versions beyond the newest `keep` are removed. Returns the directory.
     """
-    from safetensors.torch import save_file
 
-    return _write_version_dir(
-        lambda path: save_file(state, str(path), metadata={"format": "pt"}), model_dir, root, version, keep
-    )
+    def fill(tmp: Path) -> None:
+        _copy_side_files(model_dir, tmp)
+        _save_weights(state, tmp / WEIGHTS_FILE)
+
+    return _publish_version(root, version, keep, fill)
 
 
 def serving_bytes(state: dict[str, torch.Tensor]) -> bytes:
@@ -77,24 +80,74 @@ def serving_bytes(state: dict[str, torch.Tensor]) -> bytes:
 
 def write_serving_bytes(weights: bytes, model_dir: str | Path, root: str | Path, version: int, keep: int = 2) -> Path:
     """`write_serving_dir` from `serving_bytes` (an engine node writing its own local copy of a version)."""
-    return _write_version_dir(lambda path: Path(path).write_bytes(weights), model_dir, root, version, keep)
+
+    def fill(tmp: Path) -> None:
+        _copy_side_files(model_dir, tmp)
+        with open(tmp / WEIGHTS_FILE, "wb") as f:
+            f.write(weights)
+            os.fsync(f.fileno())
+
+    return _publish_version(root, version, keep, fill)
 
 
-def _write_version_dir(write_weights, model_dir: str | Path, root: str | Path, version: int, keep: int) -> Path:
+def model_dir_files(model_dir: str | Path) -> dict[str, bytes]:
+    """Every file at the top of a model directory, by name: the base model an engine node without the driver's
+    filesystem starts from (sent once through Ray's object store)."""
+    return {p.name: p.read_bytes() for p in sorted(Path(model_dir).iterdir()) if p.is_file()}
+
+
+def _copy_side_files(model_dir: str | Path, tmp: Path) -> None:
+    for name in _MODEL_SIDE_FILES:
+        src = Path(model_dir) / name
+        if src.is_file():
+            shutil.copy2(src, tmp / name)
+
+
+def write_adapter_dir(
+    state: dict[str, torch.Tensor], peft_config, root: str | Path, version: int, keep: int = 2
+) -> Path:
+    """Write a peft adapter directory (`adapter_config.json` + `adapter_model.safetensors`, the layout
+    `PeftModel.from_pretrained` and vLLM's `/v1/load_lora_adapter` read) for `version` under `root`, atomically
+    like `write_serving_dir`. `state`: peft-named adapter tensors (`rlpipe.models.lora.adapter_state`)."""
+
+    return _publish_version(root, version, keep, lambda tmp: save_adapter(state, peft_config, tmp))
+
+
+def save_adapter(state: dict[str, torch.Tensor], peft_config, out_dir: str | Path) -> Path:
+    """`adapter_config.json` + `adapter_model.safetensors` into `out_dir` (created): a peft adapter directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_config.save_pretrained(str(out))
+    _save_weights(state, out / ADAPTER_WEIGHTS_FILE)
+    return out
+
+
+def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"format": "pt"})
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def published_bytes(path: str | Path | None) -> int:
+    """Bytes of the weight files in a published directory (what an engine reads per sync); 0 for None or for what
+    is not a path (the object-store artifact of engine replicas: `RemoteEngine.last_load_bytes` counts those)."""
+    if not isinstance(path, str | Path):
+        return 0
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def _publish_version(root: str | Path, version: int, keep: int, fill) -> Path:
+    """`fill(tmp)` a temporary directory, then rename it to `root/v{version:08d}`; keep the newest `keep`."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"v{version:08d}"
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        for name in _MODEL_SIDE_FILES:
-            src = Path(model_dir) / name
-            if src.is_file():
-                shutil.copy2(src, tmp / name)
-        write_weights(tmp / WEIGHTS_FILE)
+        fill(tmp)
         (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
-        with open(tmp / WEIGHTS_FILE, "rb") as f:
-            os.fsync(f.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -104,12 +157,6 @@ def _write_version_dir(write_weights, model_dir: str | Path, root: str | Path, v
     for old in sorted(p for p in root.iterdir() if p.name.startswith("v") and p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def model_dir_files(model_dir: str | Path) -> dict[str, bytes]:
-    """Every file at the top of a model directory, by name: the base model an engine node without the driver's
-    filesystem starts from (sent once through Ray's object store)."""
-    return {p.name: p.read_bytes() for p in sorted(Path(model_dir).iterdir()) if p.is_file()}
 
 
 def serving_dir_version(path: str | Path) -> int | None:

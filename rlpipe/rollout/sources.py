@@ -157,9 +157,7 @@ def _engines(cfg: PipelineConfig, model_dir: str, controller, eos_token_id: int 
 
         engines = [SGLangEngine(url, name, eos_token_id) for url in urls]
     elif urls:
-        from rlpipe.rollout.vllm_engine import VLLMEngine
-
-        engines = [VLLMEngine(url, name, eos_token_id) for url in urls]
+        engines = [_vllm_engine_class(cfg)(url, name, eos_token_id) for url in urls]
     elif r.vllm.replicas > 1 or r.vllm.resources:
         from rlpipe.rollout.replica_actor import start_replicas
 
@@ -194,20 +192,28 @@ def _managed_vllm_engine(cfg: PipelineConfig, model_dir: str, name: str, eos_tok
     """The one managed vLLM server, a child process of the driver on its host."""
     import torch
 
-    from rlpipe.rollout.vllm_engine import VLLMEngine
     from rlpipe.rollout.vllm_process import VLLMServer
 
     server = VLLMServer(managed_server_spec(cfg, model_dir, name, on_gpu=torch.cuda.is_available()), log=log)
     server.start()
-    return VLLMEngine(None, name, eos_token_id, server=server)
+    return _vllm_engine_class(cfg)(None, name, eos_token_id, server=server)
+
+
+def _vllm_engine_class(cfg: PipelineConfig):
+    """VLLMEngine, or with LoRA the engine whose syncs load only the adapter."""
+    from rlpipe.rollout.vllm_engine import VLLMEngine
+    from rlpipe.rollout.vllm_lora import VLLMLoRAEngine
+
+    return VLLMLoRAEngine if cfg.model.lora.enabled else VLLMEngine
 
 
 def managed_server_spec(cfg: PipelineConfig, model_dir: str, name: str, on_gpu: bool):
     """How rlpipe starts its own vLLM server for this config (`rollout.vllm.*`); on CPU, with `cpu_server_args`
     first (the user's `extra_args` come after them, so theirs win)."""
+    from rlpipe.rollout.vllm_lora import LORA_SERVER_ENV, lora_server_args
     from rlpipe.rollout.vllm_process import VLLMServerSpec, check_cpu_head_dim, cpu_server_args, resolve_vllm_python
 
-    r, v = cfg.rollout, cfg.rollout.vllm
+    r, v, lora = cfg.rollout, cfg.rollout.vllm, cfg.model.lora
     max_model_len = v.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens
     if not on_gpu:
         check_cpu_head_dim(str(Path(model_dir).resolve()))
@@ -222,8 +228,10 @@ def managed_server_spec(cfg: PipelineConfig, model_dir: str, name: str, on_gpu: 
         kv_cache_gib=v.kv_cache_gib,
         gpu_memory_utilization=v.gpu_memory_utilization,
         extra_args=([] if on_gpu else cpu_server_args(max_model_len))
+        + (lora_server_args(lora.rank) if lora.enabled else [])
         + list(v.extra_args)
         + (["--weight-transfer-config", '{"backend": "nccl"}'] if r.weight_sync.method == "nccl" else []),
+        extra_env=dict(LORA_SERVER_ENV) if lora.enabled else {},
         log_path=str(Path(cfg.output_dir).resolve() / "logs" / f"vllm-{cfg.experiment}.log"),
         startup_timeout_s=v.startup_timeout_s,
     )

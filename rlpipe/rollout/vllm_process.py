@@ -38,10 +38,10 @@ class VLLMServerSpec:
     gpu_memory_utilization: float = 0.5
     logprobs_mode: str = "processed_logprobs"
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING for LoRA, or
+    # the server's CPU cores (VLLM_CPU_OMP_THREADS_BIND: replicas sharing a CPU node need it; all bind core 0 by default)
     log_path: str = "vllm-server.log"
     startup_timeout_s: float = 600.0
-    env: dict[str, str] = field(default_factory=dict)  # set in the server's environment (e.g. its CPU cores:
-    # VLLM_CPU_OMP_THREADS_BIND, which replicas sharing a CPU node need: by default every server binds core 0)
 
     def command(self, port: int) -> list[str]:
         """The server command line (public so tests and docs can see exactly what runs)."""
@@ -63,8 +63,8 @@ class VLLMServerSpec:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.kv_cache_gib))))
         env["VLLM_SERVER_DEV_MODE"] = "1"  # admin routes for weight sync
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.update(self.extra_env)
         env.pop("PYTHONPATH", None)  # the server's venv must not import the trainer's packages
-        env.update(self.env)
         return env
 
 

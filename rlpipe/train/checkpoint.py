@@ -242,6 +242,7 @@ def verify_checkpoint(
     *,
     expect_model_name: str | None = None,
     expect_architecture: dict[str, Any] | None = None,
+    expect_weights_sha256: str | None = None,
     required: tuple[str, ...] = REQUIRED_FILES,
 ) -> Manifest:
     """Check a checkpoint before use and return its manifest; any problem is a CheckpointError naming it.
@@ -250,7 +251,8 @@ def verify_checkpoint(
     are listed; every listed file exists with its sha256; no unlisted file under ``weights/``; and, if given,
     ``expect_model_fingerprint`` equals the manifest's base model fingerprint (``lineage.model_fingerprint``).
     ``expect_architecture`` (``lineage.model_architecture`` of this run's model) lets that error name the fields
-    that differ.
+    that differ. ``expect_weights_sha256`` (``lineage.model_weights_sha256``; LoRA runs, whose checkpoints hold only
+    adapters) must equal the manifest's base weights hash.
     """
     ckpt = local_path(path)
     if not ckpt.is_dir():
@@ -290,6 +292,14 @@ def verify_checkpoint(
                 f"(fingerprint {have[:12] if have else 'none'}), this run uses {mine}"
                 f"(fingerprint {expect_model_fingerprint[:12]})" + (f": {diff}" if diff else "")
             )
+    if expect_weights_sha256 is not None and manifest.base_model.weights_sha256 != expect_weights_sha256:
+        have = manifest.base_model.weights_sha256
+        raise CheckpointError(
+            f"checkpoint {ckpt} ({MANIFEST_NAME}) holds LoRA adapters trained on the base weights of "
+            f"{manifest.base_model.path} (weights sha256 {have[:12] if have else 'not recorded'}), but this run's "
+            f"base {expect_model_name or ''} has weights sha256 {expect_weights_sha256[:12]}: the adapters would "
+            "apply to other weights. Resume with the same model.path."
+        )
     return manifest
 
 

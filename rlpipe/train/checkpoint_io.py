@@ -16,6 +16,7 @@ import contextlib
 import os
 import random
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -141,20 +142,37 @@ def _sd_options():
     return StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
-def save_dcp(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, weights_dir: str | os.PathLike[str]
-) -> None:
-    """Collective: save ``{"model", "optim"}`` with DCP. Works for plain modules and FSDP2 ``fully_shard`` models."""
-    import torch.distributed.checkpoint as dcp
+KeyFilter = Callable[[str], bool] | None
+"""Which model weights a checkpoint holds (None: all). LoRA runs keep only the adapters (``is_adapter_param``): the
+frozen base weights are the base model's files, guarded by its weights hash in the lineage manifest."""
+
+
+def _model_and_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, keys: KeyFilter) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    out = local_path(weights_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=_sd_options())}
     else:
         msd, osd = get_state_dict(model, optimizer, options=_sd_options())
         state = {"model": msd, "optim": osd}
+    if keys is not None:
+        state["model"] = {name: t for name, t in state["model"].items() if keys(name)}
+    return state
+
+
+def save_dcp(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    weights_dir: str | os.PathLike[str],
+    keys: KeyFilter = None,
+) -> None:
+    """Collective: save ``{"model", "optim"}`` with DCP. Works for plain modules and FSDP2 ``fully_shard`` models;
+    ``keys`` selects the weights saved (``KeyFilter``; the optimizer state is whatever the optimizer holds)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = local_path(weights_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _model_and_optim_state(model, optimizer, keys)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(out), no_dist=not dist.is_initialized())
 
@@ -218,7 +236,10 @@ def check_dcp_visible(weights_dir: str | os.PathLike[str]) -> None:
 
 
 def load_dcp(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, weights_dir: str | os.PathLike[str]
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    weights_dir: str | os.PathLike[str],
+    keys: KeyFilter = None,
 ) -> None:
     """Collective: load DCP weights (and optimizer state unless ``optimizer`` is None) into ``model`` in place.
 
@@ -226,22 +247,14 @@ def load_dcp(
     DCP stores every tensor with its global shape and reads each rank's part back (see the module docstring).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     src = local_path(weights_dir)
     if not (src / ".metadata").is_file():
         raise CheckpointError(f"no DCP weights at {src} (missing .metadata)")
-    opts = _sd_options()
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model, options=opts)}
-    else:
-        msd, osd = get_state_dict(model, optimizer, options=opts)
-        state = {"model": msd, "optim": osd}
+    state = _model_and_optim_state(model, optimizer, keys)
+    # a partial model state (``keys``) must not make set_state_dict demand the weights it left out
+    opts = _sd_options() if keys is None else StateDictOptions(full_state_dict=False, cpu_offload=False, strict=False)
     check_dcp_matches(state["model"], src, with_optimizer=optimizer is not None)
     try:
         with _quiet_single_process():

@@ -58,6 +58,11 @@ class BaseModelRef(BaseModel):
         description="model_architecture() of its config (the values the fingerprint hashes), so a mismatch on resume "
         "names the differing field; null in checkpoints written before it was recorded.",
     )
+    weights_sha256: str | None = Field(
+        default=None,
+        description="model_weights_sha256() of its weight files. Recorded by LoRA runs (model.lora), whose "
+        "checkpoints hold only the adapters: they resume only onto the very base weights they were trained on.",
+    )
 
 
 class DataRef(BaseModel):
@@ -145,6 +150,22 @@ def model_architecture(config: Any) -> dict[str, Any]:
 def model_fingerprint(config: Any) -> str:
     """sha256 of ``model_architecture(config)``: two configs differ only if a shape-relevant key differs."""
     return stable_hash(model_architecture(config))
+
+
+def model_weights_sha256(model_dir: str | os.PathLike[str]) -> str:
+    """sha256 over the base model's ``*.safetensors`` (names and contents): same architecture is not same weights."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"model directory {model_dir} has no *.safetensors to fingerprint")
+    stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _weights_sha256(str(Path(model_dir).resolve()), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_sha256(model_dir: str, stamp: tuple) -> str:  # `stamp` (names, sizes, mtimes) invalidates the cache
+    from rlpipe.io import sha256_file
+
+    return stable_hash({name: sha256_file(Path(model_dir) / name) for name, _, _ in stamp})
 
 
 def architecture_diff(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str:

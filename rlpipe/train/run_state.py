@@ -23,6 +23,7 @@ from rlpipe.train.lineage import (
     build_manifest,
     model_architecture,
     model_fingerprint,
+    model_weights_sha256,
 )
 
 SaveHook = Callable[[Path], dict]  # hook(tmp_dir) -> entries merged into train_state.json's `extra`
@@ -71,7 +72,12 @@ class RunState:
             expect_model_fingerprint=model_fingerprint(self.model_dir),
             expect_model_name=self.model_dir,
             expect_architecture=model_architecture(self.model_dir),
+            expect_weights_sha256=self._weights_sha256(),
         )
+
+    def _weights_sha256(self) -> str | None:
+        """The base weights' hash for LoRA runs (their checkpoints hold only adapters); None otherwise."""
+        return model_weights_sha256(self.model_dir) if self.cfg.model.lora.enabled else None
 
     def save(self, phase: str, metrics: dict | None, controller, tokenizer, samplers: Samplers) -> str:
         """Write a complete checkpoint atomically and return its path; it becomes the parent of the next one."""
@@ -113,6 +119,7 @@ class RunState:
                 path=absolute(self.model_dir),
                 fingerprint=model_fingerprint(self.model_dir),
                 architecture=model_architecture(self.model_dir),
+                weights_sha256=self._weights_sha256(),
             ),
             parent=self.parent,
             parent_weights_only=self.parent_weights_only,

@@ -24,6 +24,7 @@ from rlpipe.config import PipelineConfig
 from rlpipe.config_checks import check_model_sp_heads
 from rlpipe.data.packing import Pack
 from rlpipe.models.loading import empty_model, load_model
+from rlpipe.models.lora import adapters_disabled, apply_lora, init_adapter_weights, is_adapter_param
 from rlpipe.models.packed_attention import scoring_attention
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.hf_engine import HFRolloutEngine
@@ -88,8 +89,10 @@ class TrainingWorker(ServingExport):
         if self.sp_group is not None:
             set_data_group(self.mesh["dp"].get_group())  # sp ranks share packs: count their statistics once
         self.policy = self._build_policy(self.model_dir)
-        self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.train, self.device.type)
-        self.ref = self._build_reference() if self.cfg.algo.use_kl_loss else None
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.optimizer = build_optimizer(trainable, self.cfg.train, self.device.type)
+        # with LoRA the reference is the policy with its adapters switched off: no second model
+        self.ref = self._build_reference() if self.cfg.algo.use_kl_loss and not self._lora else None
         self.rollout_model = None  # unsharded generate copy, built on first use
         self._rollout_stale = True
         self.optimizer_step = 0  # optimizer steps taken (drives the LR schedule)
@@ -100,9 +103,11 @@ class TrainingWorker(ServingExport):
     def _build_policy(self, model_dir: str) -> PolicyModel:
         """The policy, sharded (FSDP2, loaded shard by shard: `_load_sharded`) or replicated (`train.fsdp`), with
         `train.activation_checkpointing` / `compile` on its decoder layers and `train.mixed_precision` applied."""
-        train = self.cfg.train
+        train, lora = self.cfg.train, self.cfg.model.lora
         policy = self._empty_policy(model_dir)  # meta parameters: the layout is decided from the size alone
         check_model_sp_heads(policy.hf.config, train.sp_size, model_dir)
+        if lora.enabled:
+            apply_lora(policy.hf, lora, low_cpu_mem_usage=True)  # before sharding: the adapters are sharded too
         self._sharded = dist.is_initialized() and resolve_small_model_auto(train.fsdp, policy)
         if self._sharded:
 
@@ -114,12 +119,20 @@ class TrainingWorker(ServingExport):
             self._load_sharded(policy, model_dir, shard)
         else:
             policy = self._loaded_policy(model_dir, str(self.device))
+            if lora.enabled:
+                apply_lora(policy.hf, lora)
             apply_layer_options(policy.hf, train.activation_checkpointing, train.compile)
             policy.autocast_dtype = autocast_dtype(train.mixed_precision)
+        if lora.enabled:
+            init_adapter_weights(policy, train.seed)  # the same adapters on every rank and in either layout
         policy.hf.config.use_cache = False
         policy.sp_group = self.sp_group
         policy.train()
         return policy
+
+    @property
+    def _lora(self) -> bool:
+        return self.cfg.model.lora.enabled
 
     def _build_reference(self) -> PolicyModel:
         """Frozen reference for KL (`ref_load_from` or the base policy), laid out like the policy: FSDP2-sharded
@@ -177,6 +190,8 @@ class TrainingWorker(ServingExport):
         if self.rollout_model is None:
             self.rollout_model = load_model(self.model_dir, self.cfg.model.dtype, str(self.device),
                                             self.cfg.model.trust_remote_code, self.cfg.model.attn_implementation)  # fmt: skip
+            if self._lora:  # the same module tree as the policy, so the copy below maps name to name
+                apply_lora(self.rollout_model, self.cfg.model.lora)
             self.rollout_model.eval().requires_grad_(False)
         copy_policy_into(self.policy, self.rollout_model)
         self._rollout_stale = False
@@ -195,8 +210,14 @@ class TrainingWorker(ServingExport):
 
     @torch.no_grad()
     def compute_ref_logprobs(self, packs: list[Pack]) -> list[torch.Tensor]:
-        if self.ref is None:
+        if not self.cfg.algo.use_kl_loss:
             raise RuntimeError("compute_ref_logprobs called but algo.use_kl_loss is off")
+        if self._lora:  # the base model: the policy with its adapters off (same forward, same chunked logprob)
+            self.policy.eval()
+            with adapters_disabled(self.policy):
+                out = [self.policy.logprobs(p.to(self.device), self.temperature).cpu() for p in packs]
+            self.policy.train()
+            return out
         if not self._sharded:
             self.ref.to(self.device)  # a replicated reference is parked on CPU between uses
         out = [self.ref.logprobs(p.to(self.device), self.temperature).cpu() for p in packs]
@@ -228,7 +249,7 @@ class TrainingWorker(ServingExport):
         on_policy = old_logprobs is None and self._old_is_current(steps)
         if old_logprobs is None and not on_policy:
             old_logprobs = self.compute_logprobs(packs)
-        if self.ref is not None and ref_logprobs is None:
+        if self.cfg.algo.use_kl_loss and ref_logprobs is None:
             ref_logprobs = self.compute_ref_logprobs(packs)
         logprob_time = time.perf_counter() - t0
         ref_logprobs = [t.to(self.device) for t in ref_logprobs] if ref_logprobs is not None else None
@@ -375,7 +396,8 @@ class TrainingWorker(ServingExport):
     # ----------------------------------------------------------------- state
     def save(self, weights_dir: str) -> dict:
         """Collective DCP save of model + optimizer into `weights_dir`; returns this rank's train-loop state."""
-        ckpt.save_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir))
+        ckpt.save_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir),
+                      self._checkpointed)  # fmt: skip
         return {"optimizer_step": self.optimizer_step, "skipped_steps": self.skipped_steps,
                 "rng": ckpt.capture_rng_state()}  # fmt: skip
 
@@ -385,9 +407,10 @@ class TrainingWorker(ServingExport):
         weights only (`checkpoint.init_from`: the optimizer and counters stay fresh)."""
         self._rollout_stale = True
         if state is None:
-            ckpt.load_dcp(self.policy, None, Path(weights_dir))
+            ckpt.load_dcp(self.policy, None, Path(weights_dir), self._checkpointed)
             return
-        ckpt.load_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir))
+        ckpt.load_dcp(self.policy, self.optimizer if self.cfg.checkpoint.save_optimizer else None, Path(weights_dir),
+                      self._checkpointed)  # fmt: skip
         set_optimizer_impl(self.optimizer, resolve_optimizer_impl(self.cfg.train.optimizer_impl, self.device.type))
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state["skipped_steps"])
@@ -397,10 +420,18 @@ class TrainingWorker(ServingExport):
         else:
             ckpt.restore_rng_state(state["rng"])
 
+    @property
+    def _checkpointed(self) -> ckpt.KeyFilter:
+        """The weights a checkpoint holds: the adapters of a LoRA policy (the base is the base model's files)."""
+        return is_adapter_param if self._lora else None
+
     def save_hf(self, out_dir: str) -> None:
-        """Safetensors export loadable by AutoModelForCausalLM (rank 0 writes; all ranks gather)."""
+        """Safetensors export loadable by AutoModelForCausalLM (rank 0 writes; all ranks gather). LoRA: the merged
+        model in `out_dir` and the peft adapter in `out_dir/adapter` (`ServingExport.save_lora_export`)."""
         state = full_hf_state_dict(self.policy)
-        if self.rank == 0:
+        if self._lora:
+            self.save_lora_export(state, out_dir)
+        elif self.rank == 0:
             export = load_model(self.model_dir, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code)
             copy_weights_into(export, state)
             export.save_pretrained(out_dir, safe_serialization=True)

@@ -3,20 +3,35 @@ NCCL stream of the GPU path (`rlpipe.rollout.nccl_transfer`). Mixed into `Traini
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from rlpipe.rollout.serving_dir import serving_bytes, serving_state_dict, write_serving_dir
+from rlpipe.models.loading import load_model
+from rlpipe.models.lora import adapter_state, is_adapter_param, peft_lora_config
+from rlpipe.rollout.serving_dir import (
+    save_adapter,
+    serving_bytes,
+    serving_state_dict,
+    write_adapter_dir,
+    write_serving_dir,
+)
 from rlpipe.train.distributed import free_port
 from rlpipe.train.policy import full_hf_state_dict
+
+ADAPTER_DIR = "adapter"  # the peft adapter inside an export of a LoRA policy (the merged model is beside it)
 
 
 class ServingExport:
     """Publishing methods of `TrainingWorker` (`policy`, `rank`, `model_dir` are the worker's)."""
 
     def export_serving(self, root: str, version: int) -> str | None:
-        """Publish the policy for a server engine: a complete HF dir under `root` (a collective; rank 0 writes).
+        """Publish the policy for a server engine: a complete HF dir under `root` (a collective; rank 0 writes),
+        or with LoRA only the adapter (a peft dir of megabytes; the server holds the base model).
 
         The LM head is written explicitly even when tied (`serving_state_dict` says why)."""
+        if self.cfg.model.lora.enabled:
+            return self._export_adapter(root, version)
         state = self._serving_state()
         return None if state is None else str(write_serving_dir(state, self.model_dir, root, version))
 
@@ -35,6 +50,32 @@ class ServingExport:
         names = {id(module): name for name, module in hf.named_modules()}
         embed, head = names.get(id(hf.get_input_embeddings())), names.get(id(hf.get_output_embeddings()))
         return serving_state_dict(state, embed and f"{embed}.weight", head and f"{head}.weight")
+
+    def _export_adapter(self, root: str, version: int) -> str | None:
+        """The adapter tensors only (each gathered from its shards under FSDP2; a collective), as a peft dir."""
+        state = {}
+        for name, param in self.policy.named_parameters():
+            if is_adapter_param(name):
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                state[name.removeprefix("hf.")] = full.detach()
+        if self.rank != 0:
+            return None
+        config = peft_lora_config(self.cfg.model.lora, str(Path(self.model_dir).resolve()))
+        return str(write_adapter_dir(adapter_state(state), config, root, version))
+
+    def save_lora_export(self, state: dict[str, torch.Tensor], out_dir: str) -> None:
+        """Rank 0 writes the peft adapter to `out_dir/adapter` and the merged model (base + scaled B·A, through
+        peft's `merge_and_unload`) to `out_dir`: one for serving beside the base, one standalone."""
+        if self.rank != 0:
+            return
+        from peft import PeftModel
+
+        out = Path(out_dir)
+        config = peft_lora_config(self.cfg.model.lora, str(Path(self.model_dir).resolve()))
+        save_adapter(adapter_state(state), config, out / ADAPTER_DIR)
+        base = load_model(self.model_dir, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code)
+        merged = PeftModel.from_pretrained(base, str(out / ADAPTER_DIR)).merge_and_unload()
+        merged.save_pretrained(out_dir, safe_serialization=True)
 
     def _serving_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, parameter) of every weight a server loads, the LM head listed even when tied."""
