@@ -68,6 +68,7 @@ class TrainingWorker(ServingExport):
         self.model_dir = model_dir
         self.rank, self.world_size = rank, world_size
         self._sharded = False  # FSDP2 units (set by `_build_policy`); False: replicated or a single process
+        self.sp_group = None  # the sequence-parallel group (`setup`, train.sp_size > 1); None: whole sequences
         self.device = pick_device(self.cfg.train.device)
         # The distribution the rollout samples from: the PPO ratio, KL and rollout IS must be taken under it.
         self.temperature = scoring_temperature(self.cfg.rollout.temperature)
@@ -427,10 +428,10 @@ class TrainingWorker(ServingExport):
 
     def save_hf(self, out_dir: str) -> None:
         """Safetensors export loadable by AutoModelForCausalLM (rank 0 writes; all ranks gather). LoRA: the merged
-        model in `out_dir` and the peft adapter in `out_dir/adapter` (`ServingExport.save_lora_export`)."""
+        model in `out_dir` and the peft adapter in `out_dir/adapter` (`ServingExport._save_lora_export`)."""
         state = full_hf_state_dict(self.policy)
         if self._lora:
-            self.save_lora_export(state, out_dir)
+            self._save_lora_export(state, out_dir)
         elif self.rank == 0:
             export = load_model(self.model_dir, self.cfg.model.dtype, "cpu", self.cfg.model.trust_remote_code)
             copy_weights_into(export, state)

@@ -63,7 +63,7 @@ class ServingExport:
         config = peft_lora_config(self.cfg.model.lora, str(Path(self.model_dir).resolve()))
         return str(write_adapter_dir(adapter_state(state), config, root, version))
 
-    def save_lora_export(self, state: dict[str, torch.Tensor], out_dir: str) -> None:
+    def _save_lora_export(self, state: dict[str, torch.Tensor], out_dir: str) -> None:
         """Rank 0 writes the peft adapter to `out_dir/adapter` and the merged model (base + scaled B·A, through
         peft's `merge_and_unload`) to `out_dir`: one for serving beside the base, one standalone."""
         if self.rank != 0:
