@@ -38,6 +38,9 @@ sys.path.insert(0, str(HERE.parent))
 from bench._common import table, write_section  # noqa: E402
 from bench.sync_blind_spot import Trainer, _model_dir  # noqa: E402
 
+SYNC_PARTS = ("engine/sync_time_s", "engine/publish_time_s", "engine/load_time_s", "engine/check_time_s",
+              "engine/verify_time_s")  # fmt: skip
+
 
 def start_pool(model_dir: str, replicas: int, trainer: Trainer):
     """`replicas` EngineReplica actors (server i on core i) behind a ReplicaPool fed by `trainer`."""
@@ -82,14 +85,15 @@ def measure(model_dir: str, replicas: int, args, work: Path) -> dict:
             trainer.step(1e-4)
             pool.stats = SyncStats()
             pool.ensure_current(trainer.version)
-            syncs.append(pool.stats.sync_metrics()["engine/sync_time_s"])
+            syncs.append(pool.stats.sync_metrics())
         rates = []
         for r in range(args.repeats + 1):
             params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=100 + r)
             start = time.perf_counter()
             gens = pool.generate(prompts, params, trainer.version)
             rates.append(sum(len(g.response_ids) for g in gens) / (time.perf_counter() - start))
-        return {"tokens_per_s": statistics.median(rates[1:]), "sync_s": statistics.median(syncs[1:])}
+        parts = {k.removeprefix("engine/"): statistics.median(m[k] for m in syncs[1:]) for k in SYNC_PARTS}
+        return {"tokens_per_s": statistics.median(rates[1:]), "sync_s": parts.pop("sync_time_s"), **parts}
     finally:
         pool.close()
 
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--only-smollm2", action="store_true", help="just the SmolLM2 sync against its limit")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, results = [], {}
     with tempfile.TemporaryDirectory(prefix="rlpipe-replicas-") as tmp:
         tiny, _ = _model_dir("tiny", Path(tmp))
-        for replicas in (1, 2):
+        for replicas in () if args.only_smollm2 else (1, 2):
             results[replicas] = measure(tiny, replicas, args, Path(tmp))
             print(replicas, results[replicas], flush=True)
             rows.append([replicas, f"{results[replicas]['tokens_per_s']:.0f}", f"{results[replicas]['sync_s']:.3f}"])
@@ -143,19 +148,25 @@ def main(argv: list[str] | None = None) -> None:
                                                                                           "prompts": 8}), Path(tmp))}  # fmt: skip
             print("smollm2", smol, flush=True)
     ray.shutdown()
-    speed = results[2]["tokens_per_s"] / results[1]["tokens_per_s"]
-    sync_ratio = results[2]["sync_s"] / results[1]["sync_s"]
-    body = (
-        f"Tiny default model, {args.prompts} prompts x {args.n} samples x {args.max_new_tokens} new tokens, vLLM CPU "
-        "replicas as Ray actors, server i on core i, trainer idle during rollout; medians.\n\n"
-        + table(["replicas", "rollout tokens/s", "sync time per update (s)"], rows)
-        + f"\n\n2 replicas: rollout {speed:.2f}x one (target >= 1.7x), sync {sync_ratio:.2f}x one (target <= 1.3x)."
-    )
+    body = ""
+    if results:
+        speed = results[2]["tokens_per_s"] / results[1]["tokens_per_s"]
+        sync_ratio = results[2]["sync_s"] / results[1]["sync_s"]
+        body = (
+            f"Tiny default model, {args.prompts} prompts x {args.n} samples x {args.max_new_tokens} new tokens, vLLM "
+            "CPU replicas as Ray actors, server i on core i, trainer idle during rollout; medians.\n\n"
+            + table(["replicas", "rollout tokens/s", "sync time per update (s)"], rows)
+            + f"\n\n2 replicas: rollout {speed:.2f}x one (target >= 1.7x), sync {sync_ratio:.2f}x one (target <= "
+            "1.3x)."
+        )
     if smol is not None:
         body += (
-            f"\n\nSmolLM2-135M, one replica: sync {smol['sync_s']:.2f} s per update (publish through the object "
-            f"store + node-local write + load + checks + probe) against {smol['limit_s']:.2f} s to serialize, write "
-            f"and read its {smol['bytes'] / 2**20:.0f} MiB once ({smol['sync_s'] / smol['limit_s']:.1f}x the limit)."
+            f"\n\nSmolLM2-135M, one replica: sync {smol['sync_s']:.2f} s per update (publish {smol['publish_time_s']:.2f}"
+            f" s: state dict to safetensors bytes into the object store, and the trainer's probe; load "
+            f"{smol['load_time_s']:.2f} s: node-local write + vLLM reload + engine-side checks "
+            f"{smol['check_time_s']:.2f} s; probe {smol['verify_time_s']:.2f} s) against {smol['limit_s']:.2f} s to "
+            f"serialize, write and read its {smol['bytes'] / 2**20:.0f} MiB once ({smol['sync_s'] / smol['limit_s']:.1f}x"
+            " the limit)."
         )
     body += f"\n\nLoad average (1/5/15 min) before {load_before}, after {os.getloadavg()}."
     print(body)
