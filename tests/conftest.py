@@ -83,3 +83,17 @@ def in_process_worker(cfg, model_dir: str):
     w.ref, w.rollout_model, w._rollout_stale = None, None, True
     w.optimizer_step, w.skipped_steps = 0, 0
     return w
+
+
+def vllm_python_or_skip() -> str:
+    """The vLLM venv's python (scripts/setup_vllm.sh); without it the calling test module skips, unless
+    RLPIPE_REQUIRE_VLLM=1 (CI), where a missing venv is an error, not a skip."""
+    import os
+    from pathlib import Path
+
+    python = os.environ.get("RLPIPE_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
+    if not Path(python).is_file():
+        if os.environ.get("RLPIPE_REQUIRE_VLLM") == "1":
+            raise RuntimeError(f"RLPIPE_REQUIRE_VLLM=1 but there is no vLLM venv python at {python}")
+        pytest.skip(f"no vLLM venv at {python}: run `bash scripts/setup_vllm.sh`", allow_module_level=True)
+    return python

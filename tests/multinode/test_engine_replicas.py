@@ -17,15 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, vllm_python_or_skip
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = os.environ.get("RLPIPE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-
-if not Path(VLLM_PYTHON).is_file():
-    if os.environ.get("RLPIPE_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"RLPIPE_REQUIRE_VLLM=1 but there is no vLLM venv python at {VLLM_PYTHON}")
-    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}: run `bash scripts/setup_vllm.sh`", allow_module_level=True)
+VLLM_PYTHON = vllm_python_or_skip()
 
 
 @pytest.fixture(scope="module")
