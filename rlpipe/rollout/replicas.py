@@ -60,6 +60,13 @@ class ReplicaPool:
         return " + ".join(self.syncs[i].engine.name for i in self.live)
 
     @property
+    def engine(self):
+        """The engine of a one-replica pool (what single-server tools and tests reach directly)."""
+        if len(self.syncs) != 1:
+            raise AttributeError(f"a pool of {len(self.syncs)} replicas has no single engine: use .syncs[i].engine")
+        return self.syncs[0].engine
+
+    @property
     def served_version(self) -> int | None:
         versions = {self.syncs[i].engine.served_version for i in self.live}
         return versions.pop() if len(versions) == 1 else None
@@ -211,11 +218,16 @@ class ReplicaPool:
         return self._require_live()
 
     def _restart(self, i: int, exc: RolloutServerError) -> bool:
-        """Restart replica `i` (bounded); drop it from the pool if it cannot come back. True if it is back."""
+        """Restart replica `i` (bounded); drop it from the pool once its restarts are spent. True if it is back.
+
+        A failure that is not a crash (a server rlpipe does not own, or one still alive that answered wrongly)
+        raises `exc` itself, as with one engine: the run stops with the server's own error."""
         self._failed.pop(i, None)
         try:
             self.syncs[i]._restart_or_raise(exc)
         except RolloutServerError as final:
+            if final is exc:
+                raise
             self.log(f"dropping {self.syncs[i].engine.name} from the pool: {final}")
             self.live.remove(i)
             return False

@@ -93,6 +93,7 @@ def test_a_replica_killed_mid_rollout_loses_no_prompt_and_samples_none_twice(ses
     prompts = [session.prompts[i % len(session.prompts)].prompt_ids for i in range(128)]
     params = SamplingParams(n=8, max_new_tokens=6, temperature=1.0, seed=11)
     version = session.counters.step
+    pool.ensure_current(version)  # synced first, so the kill lands in the rollout, not in a load
     killer = threading.Timer(0.5, os.killpg, (pid, 9))  # the server's process group: API server + engine core
     killer.start()
     start = time.perf_counter()

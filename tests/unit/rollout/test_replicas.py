@@ -173,3 +173,13 @@ def test_staged_publish_is_reused_by_the_sync():
     pool.ensure_current(5)
     assert published == [5] and len(trainer_calls) == 1 and [r.loads for r in replicas] == [[5], [5]]
     assert pool.stats.staged_publish_time_s > 0
+
+
+def test_a_server_rlpipe_does_not_own_fails_with_its_own_error():
+    pool, replicas, _, _ = _pool(2)
+    pool.generate([[1]], PARAMS, version=1)
+    replicas[1].restartable = False
+    replicas[1].dead = True
+    with pytest.raises(RolloutServerError, match="fake replica 1: connection"):
+        pool.generate([[5, i] for i in range(4)], PARAMS, version=2)
+    assert pool.live == [0, 1]  # not dropped: the run stops instead, naming the server
