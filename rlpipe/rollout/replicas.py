@@ -187,9 +187,7 @@ class ReplicaPool:
                     self._failed[r] = RolloutServerError(failed[min(failed)])
             todo.sort()
             attempt += 1
-        for i in list(self._failed):  # back with the last synced weights, verified, before the next batch
-            if self._restart(i, self._failed[i]):
-                self.syncs[i]._expect_served(version)
+        self._restart_failed(version)  # back with the last synced weights, verified, before the next batch
         return [g for i in range(len(prompts)) for g in done[i]]
 
     def _sample_on(self, r: int, prompts: list[list[int]], ids: list[int], params: SamplingParams):
@@ -212,10 +210,14 @@ class ReplicaPool:
         ready = [i for i in self.live if i not in self._failed]
         if ready:
             return ready
+        self._restart_failed(version)
+        return self._require_live()
+
+    def _restart_failed(self, version: int) -> None:
+        """Restart every replica that failed in this batch and re-verify it against `version`'s cached probe."""
         for i in list(self._failed):
             if self._restart(i, self._failed[i]):
                 self.syncs[i]._expect_served(version)
-        return self._require_live()
 
     def _restart(self, i: int, exc: RolloutServerError) -> bool:
         """Restart replica `i` (bounded); drop it from the pool once its restarts are spent. True if it is back.

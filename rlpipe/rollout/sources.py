@@ -131,7 +131,7 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
     tolerance = r.weight_sync.probe_tolerance or default_probe_tolerance(cfg.model.dtype)
     max_restarts = cfg.rollout.vllm.max_restarts if r.engine == "vllm" else 0
     syncs = [
-        EngineSync(engine, publish=publish, trainer_probe=None, probe=probe, tolerance=tolerance,
+        EngineSync(engine, publish=None, trainer_probe=None, probe=probe, tolerance=tolerance,  # the pool publishes
                    max_restarts=max_restarts, log=log, publish_ahead=not streamed)
         for engine in engines
     ]  # fmt: skip
