@@ -7,6 +7,7 @@ in RESULTS.md can be compared and reproduced.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import shlex
@@ -86,6 +87,28 @@ def finish_reward_plot(fig, ax, path: Path, title: str, xlabel: str, ylabel: str
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def mcnemar_exact(before: list[float], after: list[float]) -> dict[str, float]:
+    """Exact McNemar test of paired 0/1 outcomes (the same held-out problems scored before and after training).
+
+    Only the discordant pairs carry evidence: ``gained`` (wrong before, right after) and ``lost`` (right before,
+    wrong after). Under "training changed nothing" each discordant pair is a fair coin, so ``gained`` is
+    Binomial(gained + lost, 1/2) (McNemar 1947; the exact form, not the chi-square approximation, because the
+    counts are small). ``p_improved`` is the one-sided P(X >= gained), the chance of at least this many gains by
+    luck; ``p_two_sided`` doubles the smaller tail (capped at 1). An outcome counts as right when its reward > 0.5.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired outcomes need equal lengths, got {len(before)} and {len(after)}")
+    gained = sum(1 for b, a in zip(before, after, strict=True) if b <= 0.5 < a)
+    lost = sum(1 for b, a in zip(before, after, strict=True) if a <= 0.5 < b)
+    n = gained + lost
+
+    def tail(k: int) -> float:  # P(X >= k), X ~ Binomial(n, 1/2)
+        return sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
+
+    upper, lower = tail(gained), 1.0 - tail(gained + 1)  # P(X >= gained), P(X <= gained)
+    return {"gained": gained, "lost": lost, "p_improved": upper, "p_two_sided": min(1.0, 2 * min(upper, lower))}
 
 
 def verdict(met: bool) -> str:

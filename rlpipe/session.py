@@ -181,12 +181,18 @@ class RLSession:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on held-out prompts (the number a user watches besides training reward)."""
+        rewards = self.eval_rewards()
+        return {"eval/reward_mean": float(np.mean(rewards)), "eval/num_prompts": float(len(rewards))}
+
+    def eval_rewards(self) -> np.ndarray:
+        """The reward of each held-out prompt's greedy answer, in the eval split's order (so two evaluations of
+        the same run pair up prompt by prompt, as a paired significance test needs)."""
         if self._eval_prompts is None:
             self._eval_prompts = load_prompts(self.cfg, self.tokenizer, "eval")
         examples = [self._eval_prompts[i] for i in range(len(self._eval_prompts))]
         gens, _ = self.generate([ex.prompt_ids for ex in examples], self.sampling_params(0, eval_mode=True))
         _, rewards = score_generations(examples, gens, self.decode, self.judge)
-        return {"eval/reward_mean": float(np.mean(rewards)), "eval/num_prompts": float(len(examples))}
+        return np.asarray(rewards, dtype=np.float64)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, phase: str, metrics: dict[str, float] | None = None) -> str:
