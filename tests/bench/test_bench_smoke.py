@@ -139,3 +139,28 @@ def test_async_rollout_compares_rewards_at_equal_weight_versions():
     assert bench.noise_verdict(diff, two_se) == "within the noise"
     assert bench.noise_verdict(0.03, 0.02) == "k=1 higher, outside the noise"
     assert bench.noise_verdict(-0.03, 0.02) == "k=1 LOWER, outside the noise"
+
+
+def _load(script: str):
+    sys.path.insert(0, str(BENCH))  # the scripts import bench/_common
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sequence_parallel_skips_what_cannot_fit_and_reports_it():
+    sp = _load("sequence_parallel.py")
+    mib = sp.MIB
+    rows = [
+        {"length": 1024, "ac": False, "sp": 1, "act": 1000 * mib, "baseline": 1400 * mib, "step_s": 10.0},
+        {"length": 1024, "ac": False, "sp": 2, "act": 520 * mib, "baseline": 1400 * mib, "step_s": 12.0},
+    ]
+    # Linear in L from the longest shorter pack of the same (ac, sp): 8x the activations, all ranks' baselines.
+    assert sp.predicted_need(rows, 8192, False, 1) == (1400 + 8000) * mib
+    assert sp.predicted_need(rows, 8192, False, 2) == 2 * (1400 + 4160) * mib
+    assert sp.predicted_need(rows, 8192, True, 1) is None  # nothing measured with checkpointing yet
+    rows.append({"length": 8192, "ac": False, "sp": 1, "skipped": "skipped: needs ~30 GiB, 20 GiB free"})
+    report = sp._report(rows, 2048 * mib, "/m/smollm2", 1, (1.0, 1.0, 1.0))
+    assert "| 8192 | off | 1 | skipped: needs ~30 GiB, 20 GiB free |" in report
+    assert "0.52x at 1024 (checkpointing off)" in report  # the ratio comes from the longest pack both sp measured
