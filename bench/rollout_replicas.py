@@ -8,7 +8,7 @@ Command (from the repo root; needs `bash scripts/setup_vllm.sh`, and `pip instal
     (`rlpipe.rollout.replica_actor`, what `rollout.vllm.replicas` starts) with its server bound to its own core
     (`VLLM_CPU_OMP_THREADS_BIND=<i>`: by default every CPU server binds core 0). The trainer is idle during rollout:
     an HF copy of the model in this process takes one AdamW step between syncs and publishes the same way the
-    training workers do (`serving_bytes` into the object store; each replica writes its node-local copy).
+    training workers do (`serving_buffer` into the object store; each replica writes its node-local copy).
     Rollout: `ReplicaPool.generate` on `--prompts` prompts x `--n` samples x `--max-new-tokens`, the same seeds for
     both counts, median of `--repeats` (after one warm-up). Sync: median `engine/sync_time_s` (publish once + the
     slowest replica's load and verification) over `--updates` updates.
@@ -50,7 +50,7 @@ def start_pool(model_dir: str, replicas: int, trainer: Trainer):
     from rlpipe.rollout.probe import ProbeSequence
     from rlpipe.rollout.replica_actor import EngineReplica, RemoteEngine
     from rlpipe.rollout.replicas import ReplicaPool
-    from rlpipe.rollout.serving_dir import model_dir_files, serving_bytes, serving_state_dict
+    from rlpipe.rollout.serving_dir import model_dir_files, serving_buffer, serving_state_dict
     from rlpipe.rollout.vllm_process import VLLMServerSpec, cpu_server_args
 
     base = ray.put(model_dir_files(model_dir))
@@ -64,7 +64,7 @@ def start_pool(model_dir: str, replicas: int, trainer: Trainer):
 
     def publish(version: int):
         state = serving_state_dict(trainer.model.state_dict(), "model.embed_tokens.weight", "lm_head.weight")
-        return ray.put(serving_bytes(state))
+        return ray.put(serving_buffer(state))
 
     probe = [ProbeSequence(p.prompt_ids, p.response_ids) for p in trainer.probe]
     syncs = [EngineSync(e, None, None, probe, 1e-3, log=lambda m: None) for e in engines]
@@ -102,14 +102,14 @@ def byte_limit(model_dir: str) -> dict:
     """Seconds to serialize SmolLM2's serving state, write it to /dev/shm and read it back: what a sync cannot beat."""
     from transformers import AutoModelForCausalLM
 
-    from rlpipe.rollout.serving_dir import serving_bytes, serving_state_dict
+    from rlpipe.rollout.serving_dir import serving_buffer, serving_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     state = serving_state_dict(model.state_dict(), "model.embed_tokens.weight", "lm_head.weight")
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        data = serving_bytes(state)
+        data = serving_buffer(state)
         with tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
             f.write(data)
             f.flush()

@@ -149,12 +149,6 @@ def _check_lora(cfg: PipelineConfig) -> None:
             "model.lora.enabled: the adapter is synced from disk (megabytes); rollout.weight_sync.method=nccl "
             "streams full weights: use method=disk"
         )
-    if cfg.rollout.engine == "vllm" and (cfg.rollout.vllm.replicas > 1 or cfg.rollout.vllm.resources):
-        raise ValueError(
-            "model.lora.enabled with managed engine replicas (rollout.vllm.replicas > 1 or rollout.vllm.resources): "
-            "the replica actors sync full weights only; use one managed server, or list LoRA-enabled servers in "
-            "rollout.server_urls"
-        )
 
 
 def _check_staleness(cfg: PipelineConfig) -> None:

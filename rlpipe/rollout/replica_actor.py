@@ -30,10 +30,11 @@ class EngineReplica:
     """The Ray actor: a `VLLMEngine` whose server runs on this actor's node, fed from the object store."""
 
     def __init__(self, spec: VLLMServerSpec, base_files: dict[str, bytes], index: int, eos_token_id: int | None,
-                 published_dtype: str = "float32"):  # fmt: skip
+                 published_dtype: str = "float32", lora: bool = False):  # fmt: skip
         import ray
 
         from rlpipe.rollout.vllm_engine import VLLMEngine
+        from rlpipe.rollout.vllm_lora import VLLMLoRAEngine
         from rlpipe.rollout.vllm_process import VLLMServer
 
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -44,26 +45,37 @@ class EngineReplica:
             (base / Path(name).name).write_bytes(data)
         spec.model_dir, spec.log_path = str(base), str(self.root / "vllm.log")
         self.server = VLLMServer(spec, log=lambda m: print(f"[replica {index}] {m}", flush=True))
-        self.engine = VLLMEngine(None, spec.served_model_name, eos_token_id, server=self.server,
+        engine_cls = VLLMLoRAEngine if lora else VLLMEngine  # LoRA: every sync loads only the adapter
+        self.engine = engine_cls(None, spec.served_model_name, eos_token_id, server=self.server,
                                  published_dtype=published_dtype)  # fmt: skip
         self.server.start()
 
     def describe(self) -> dict[str, str]:
         return {"node_id": self.node_id, "url": self.server.base_url, "root": str(self.root)}
 
-    def load(self, weights: bytes | str, version: int) -> dict[str, Any]:
-        """Write `weights` (safetensors bytes) as this node's copy of `version` and load it (a path: load that)."""
-        from rlpipe.rollout.serving_dir import write_serving_bytes
+    def load(self, weights, version: int) -> dict[str, Any]:
+        """Write `weights` (a `serving_buffer` array, read in place from the object store, or any bytes-like
+        safetensors file; with LoRA the adapter directory's files by name) as this node's copy of `version` and
+        load it (a path: load that)."""
+        from rlpipe.rollout.serving_dir import write_serving_buffer, write_version_files
 
-        size = len(weights) if isinstance(weights, bytes) else 0
-        if isinstance(weights, bytes):
-            weights = str(write_serving_bytes(weights, self.root / "base", self.root / "serving", version))
+        size = 0
+        if isinstance(weights, dict):
+            size = sum(len(data) for data in weights.values())
+            weights = str(write_version_files(weights, self.root / "adapters", version))
+        elif not isinstance(weights, str):
+            size = memoryview(weights).nbytes
+            weights = str(write_serving_buffer(weights, self.root / "base", self.root / "serving", version))
         self.engine.load_weights(weights, version)
         return {"served_dir": weights, "check_s": self.engine.last_check_s, "checks": self.engine.last_check_metrics,
                 "bytes": size}  # fmt: skip
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         return self.engine.score(prompt_ids, response_ids)
+
+    def served_model(self) -> str:
+        """The model name requests carry (with LoRA the current version's adapter name)."""
+        return self.engine.model_name
 
     def generate_each(self, prompts: list[list[int]], params: SamplingParams, indices: list[int]):
         return self.engine.generate_each(prompts, params, indices)
@@ -158,9 +170,10 @@ class RemoteEngine:
 
 
 def start_replicas(spec: VLLMServerSpec, model_dir: str, vllm_cfg, eos_token_id: int | None, dtype: str,
-                   log=print) -> list[RemoteEngine]:  # fmt: skip
+                   log=print, lora: bool = False) -> list[RemoteEngine]:  # fmt: skip
     """Start `vllm_cfg.replicas` replica actors at once, spread over the nodes that have `vllm_cfg.resources`; each
-    gets the base model through the object store. Returns once every server answers /health."""
+    gets the base model through the object store (`lora`: servers that load a new adapter per sync). Returns once
+    every server answers /health."""
     import copy
 
     import ray
@@ -175,7 +188,8 @@ def start_replicas(spec: VLLMServerSpec, model_dir: str, vllm_cfg, eos_token_id:
     )  # fmt: skip
     base = ray.put(model_dir_files(model_dir))
     log(f"starting {vllm_cfg.replicas} vLLM replica actor(s) (resources {vllm_cfg.resources or 'none'})")
-    actors = [actor_cls.remote(copy.deepcopy(spec), base, i, eos_token_id, dtype) for i in range(vllm_cfg.replicas)]
+    actors = [actor_cls.remote(copy.deepcopy(spec), base, i, eos_token_id, dtype, lora)
+              for i in range(vllm_cfg.replicas)]  # fmt: skip
     engines = [RemoteEngine(actor, i, timeout_s=spec.startup_timeout_s + 60) for i, actor in enumerate(actors)]
     for e in engines:
         e.timeout_s = 600.0

@@ -13,6 +13,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Files of a model directory that the server needs besides the weights (config, tokenizer, generation defaults).
@@ -71,21 +72,69 @@ def write_serving_dir(
     return _publish_version(root, version, keep, fill)
 
 
-def serving_bytes(state: dict[str, torch.Tensor]) -> bytes:
-    """The `model.safetensors` of a serving directory, in memory: what travels to engines on other nodes."""
-    from safetensors.torch import save
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
 
-    return save(state, metadata={"format": "pt"})
+
+def serving_buffer(state: dict[str, torch.Tensor]) -> np.ndarray:
+    """The `model.safetensors` of a serving directory, built in one uint8 array: what travels to engines on other
+    nodes. Each tensor is copied once, straight into place (no intermediate `bytes`), and an array (unlike `bytes`)
+    travels through Ray's object store out of band: the receiving actor reads it in place, without a copy.
+
+    The layout is the safetensors format: an 8-byte little-endian header length, the JSON header (space-padded to
+    8 bytes), then the tensors back to back, widest dtype first so every tensor starts aligned to its element size.
+    """
+    tensors = sorted(state.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors:
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"serving weights: tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    buf = np.empty(8 + len(head) + offset, dtype=np.uint8)
+    buf[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
+    buf[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    start = 8 + len(head)
+    for name, t in tensors:
+        begin, end = header[name]["data_offsets"]  # type: ignore[index]
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        if end > begin:
+            buf[start + begin : start + end] = flat.view(torch.uint8).numpy()
+    return buf
 
 
-def write_serving_bytes(weights: bytes, model_dir: str | Path, root: str | Path, version: int, keep: int = 2) -> Path:
-    """`write_serving_dir` from `serving_bytes` (an engine node writing its own local copy of a version)."""
+def write_serving_buffer(weights, model_dir: str | Path, root: str | Path, version: int, keep: int = 2) -> Path:
+    """`write_serving_dir` from `serving_buffer` (an engine node writing its own local copy of a version);
+    `weights`: that array, or any bytes-like object holding a `model.safetensors`."""
 
     def fill(tmp: Path) -> None:
         _copy_side_files(model_dir, tmp)
         with open(tmp / WEIGHTS_FILE, "wb") as f:
-            f.write(weights)
+            f.write(memoryview(weights).cast("B"))
             os.fsync(f.fileno())
+
+    return _publish_version(root, version, keep, fill)
+
+
+def write_version_files(files: dict[str, bytes], root: str | Path, version: int, keep: int = 2) -> Path:
+    """A version directory under `root` holding `files` (name -> content; e.g. a peft adapter directory's files
+    sent through the object store), written atomically like `write_serving_dir`."""
+
+    def fill(tmp: Path) -> None:
+        for name, data in files.items():
+            with open(tmp / Path(name).name, "wb") as f:  # a bare file name: nothing lands outside `tmp`
+                f.write(data)
+                os.fsync(f.fileno())
 
     return _publish_version(root, version, keep, fill)
 

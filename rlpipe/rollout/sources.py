@@ -162,7 +162,7 @@ def _engines(cfg: PipelineConfig, model_dir: str, controller, eos_token_id: int 
         from rlpipe.rollout.replica_actor import start_replicas
 
         spec = managed_server_spec(cfg, model_dir, name, on_gpu="GPU" in r.vllm.resources)
-        engines = start_replicas(spec, model_dir, r.vllm, eos_token_id, cfg.model.dtype, log)
+        engines = start_replicas(spec, model_dir, r.vllm, eos_token_id, cfg.model.dtype, log, cfg.model.lora.enabled)
         return engines, lambda version: controller.export_serving_ref()  # no disk: the object store
     else:
         engines = [_managed_vllm_engine(cfg, model_dir, name, eos_token_id, log)]

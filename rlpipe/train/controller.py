@@ -154,11 +154,11 @@ class TrainingController:
         return self._all("export_serving", root, version)[0]
 
     def export_serving_ref(self):
-        """The policy's safetensors bytes as an ObjectRef held in rank 0's object store, never fetched here: engine
-        replicas on other nodes pull it from there (no shared filesystem needed)."""
+        """The policy's safetensors file (a uint8 array, `serving_buffer`) as an ObjectRef held in rank 0's object
+        store, never fetched here: engine replicas on other nodes pull it from there (no shared filesystem needed)."""
         import ray
 
-        refs = [w.export_serving_bytes.remote() for w in self.workers]
+        refs = [w.export_serving_buffer.remote() for w in self.workers]
         self._get(refs[1:])  # the other ranks only joined the gather (a rank-0 error surfaces where it is pulled)
         ray.wait(refs[:1], fetch_local=False)
         return refs[0]

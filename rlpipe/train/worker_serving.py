@@ -3,15 +3,18 @@ NCCL stream of the GPU path (`rlpipe.rollout.nccl_transfer`). Mixed into `Traini
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rlpipe.models.loading import load_model
 from rlpipe.models.lora import adapter_state, is_adapter_param, peft_lora_config
 from rlpipe.rollout.serving_dir import (
+    model_dir_files,
     save_adapter,
-    serving_bytes,
+    serving_buffer,
     serving_state_dict,
     write_adapter_dir,
     write_serving_dir,
@@ -35,11 +38,18 @@ class ServingExport:
         state = self._serving_state()
         return None if state is None else str(write_serving_dir(state, self.model_dir, root, version))
 
-    def export_serving_bytes(self) -> bytes | None:
+    def export_serving_buffer(self) -> np.ndarray | dict[str, bytes] | None:
         """The policy's `model.safetensors` in memory (a collective; rank 0 returns it): for engine replicas on
-        other nodes, which each write their own local copy; Ray keeps it in rank 0's object store."""
+        other nodes, which each write their own local copy; Ray keeps it in rank 0's object store. With LoRA, the
+        adapter directory's files by name instead (megabytes; the replicas hold the base model)."""
+        if self.cfg.model.lora.enabled:
+            state = self._adapter_tensors()
+            if state is None:
+                return None
+            with tempfile.TemporaryDirectory(prefix="rlpipe-adapter-") as tmp:
+                return model_dir_files(save_adapter(state, self._peft_config(), tmp))
         state = self._serving_state()
-        return None if state is None else serving_bytes(state)
+        return None if state is None else serving_buffer(state)
 
     def _serving_state(self) -> dict[str, torch.Tensor] | None:
         """Rank 0: every weight a server loads, the LM head written even when tied; other ranks join the gather."""
@@ -52,16 +62,21 @@ class ServingExport:
         return serving_state_dict(state, embed and f"{embed}.weight", head and f"{head}.weight")
 
     def _export_adapter(self, root: str, version: int) -> str | None:
-        """The adapter tensors only (each gathered from its shards under FSDP2; a collective), as a peft dir."""
+        """The adapter tensors only (a collective), as a peft dir under `root`; rank 0 writes."""
+        state = self._adapter_tensors()
+        return None if state is None else str(write_adapter_dir(state, self._peft_config(), root, version))
+
+    def _adapter_tensors(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the peft-named adapter tensors (each gathered from its shards under FSDP2, so every rank joins)."""
         state = {}
         for name, param in self.policy.named_parameters():
             if is_adapter_param(name):
                 full = param.full_tensor() if hasattr(param, "full_tensor") else param
                 state[name.removeprefix("hf.")] = full.detach()
-        if self.rank != 0:
-            return None
-        config = peft_lora_config(self.cfg.model.lora, str(Path(self.model_dir).resolve()))
-        return str(write_adapter_dir(adapter_state(state), config, root, version))
+        return adapter_state(state) if self.rank == 0 else None
+
+    def _peft_config(self):
+        return peft_lora_config(self.cfg.model.lora, str(Path(self.model_dir).resolve()))
 
     def _save_lora_export(self, state: dict[str, torch.Tensor], out_dir: str) -> None:
         """Rank 0 writes the peft adapter to `out_dir/adapter` and the merged model (base + scaled B·A, through
