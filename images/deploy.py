@@ -77,11 +77,12 @@ HEAD_RESOURCES = RayGroupShape(cpu="1", memory="4Gi", gpu=0, replicas=1, shm="2G
 """Ray head: GCS, dashboard and the `rlpipe run` driver; started with num-cpus=0 so no actor lands on it."""
 CPU_WORKER = RayGroupShape(cpu="2", memory="4Gi", gpu=0, replicas=2, shm="2Gi")
 """CPU worker group: 2 pods x 2 CPUs hold the default train.world_size=2 TrainingWorkers (1 CPU each)."""
-GPU_HEAD = RayGroupShape(cpu="8", memory="48Gi", gpu=1, replicas=1, shm="16Gi")
-"""Ray head of the GPU profile: the `rlpipe run` driver. Its GPU served the one vLLM server the driver started;
-grpo-gpu.yaml now runs `rollout.vllm.replicas` on the rollout-workers group instead, so a config with a single
-driver-side server still works here (dropping the head GPU is left to a follow-up). Started with num-cpus=0 and
-num-gpus=0: Ray schedules no TrainingWorker there."""
+GPU_HEAD = RayGroupShape(cpu="4", memory="16Gi", gpu=0, replicas=1, shm="6Gi")
+"""Ray head of the GPU profile: GCS, the dashboard and the `rlpipe run` driver, no GPU. The driver tokenizes, judges
+and writes lineage; it holds no model weights: the engine replicas run on the rollout-workers group
+(`rollout.vllm.replicas` in grpo-gpu.yaml) and each weight sync's object goes from trainer rank 0's node straight to
+the engine nodes, never through the head. Its object store holds only the base model's files once, when the replicas
+start (a larger model spills to disk). Started with num-cpus=0 and num-gpus=0: Ray schedules no actor there."""
 TRAINER_RESOURCE = "trainer"
 """Custom Ray resource of the trainer pods; the gpu config's `train.resources` asks for it, so no TrainingWorker lands
 on an engine pod."""

@@ -5,8 +5,8 @@ Flyte-launched RayJob and a hand-applied one get the same head, workers and reso
 
 Shape of the job (KubeRay, via Flyte's Ray plugin):
 - head: started with `num-cpus: 0` and `num-gpus: 0`, so the scheduler never puts a TrainingWorker on it (the head
-  runs GCS, the dashboard and the task's driver process; in the GPU profile its GPU is for the vLLM rollout server
-  the driver starts, `rollout.engine=vllm`);
+  runs GCS, the dashboard and the task's driver process; it requests no GPU in either profile: a gpu=0 shape
+  gives `Resources(gpu=None)`);
 - the trainer worker group (`cpu-workers` or `gpu-workers`) with `replicas` pods, requests == limits (Guaranteed QoS);
   in the GPU profile its pods advertise the custom Ray resource `trainer` (grpo-gpu.yaml's `train.resources`), and a
   second group, `rollout-workers`, holds the rollout engines (GPU pods advertising `rollout_engine: 1`);

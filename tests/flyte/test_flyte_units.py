@@ -35,10 +35,11 @@ def test_gpu_ray_job_config_matches_deploy_constants():
 
     cfg = ray_job_config("gpu")
     assert cfg.shutdown_after_job_finishes is True and cfg.ttl_seconds_after_finished > 0
-    # the head's GPU is for the vLLM server the driver starts: Ray itself advertises no CPU and no GPU there
+    # the head runs only the driver: no GPU requested, and Ray advertises no CPU and no GPU there
     assert cfg.head_node_config.ray_start_params["num-cpus"] == cfg.head_node_config.ray_start_params["num-gpus"] == "0"
     head = cfg.head_node_config.requests
-    assert (head.cpu, head.mem, head.gpu) == (GPU_HEAD.cpu, GPU_HEAD.memory, "1")
+    assert (head.cpu, head.mem, head.gpu) == (GPU_HEAD.cpu, GPU_HEAD.memory, None)
+    assert cfg.head_node_config.limits.gpu is None
     assert ray_job_config("cpu").head_node_config.requests.gpu is None
     assert ray_job_config("cpu").head_node_config.requests.cpu == HEAD_RESOURCES.cpu
     group, rollout = cfg.worker_node_config  # trainers, then the rollout engines beside them

@@ -23,16 +23,16 @@ def test_configmap_configs_validate(rendered, where):
         assert cfg.train.device == ("cuda" if "gpu" in name else "cpu")
 
 
-def test_gpu_rayjob_serves_rollouts_from_a_vllm_server_on_its_head(rendered):
-    """The gpu overlay's job rolls out with a vLLM server the driver starts on the head's GPU (reached at 127.0.0.1,
-    so vLLM's unauthenticated admin routes stay inside the pod); Ray advertises no GPU there, so the TrainingWorkers
-    keep the worker GPUs. The cpu-dev job keeps the HF engine and a GPU-less head."""
+def test_gpu_rayjob_rolls_out_from_engine_replicas_on_the_rollout_group_and_its_head_has_no_gpu(rendered):
+    """The gpu overlay's job rolls out from managed vLLM replicas on the rollout-workers pods (each server on its pod's
+    127.0.0.1, so vLLM's unauthenticated admin routes stay inside the pod); the head runs only the driver and requests
+    no GPU, and no pod requests a GPU that no Ray consumer can use. The cpu-dev job keeps the HF engine."""
     import yaml
     from k8s_objects import cluster_spec
 
     from rlpipe.config import validate_config
 
-    for where, engine, head_gpus in (("overlays/gpu", "vllm", "1"), ("overlays/cpu-dev", "hf", None)):
+    for where, engine in (("overlays/gpu", "vllm"), ("overlays/cpu-dev", "hf")):
         objects = rendered[where]
         job = one(objects, "RayJob")
         name = job["spec"]["entrypoint"].split()[2].rsplit("/", 1)[1]
@@ -40,7 +40,9 @@ def test_gpu_rayjob_serves_rollouts_from_a_vllm_server_on_its_head(rendered):
         assert cfg.rollout.engine == engine, where
         head = cluster_spec(job)["headGroupSpec"]
         assert head["rayStartParams"]["num-gpus"] == "0", where
-        assert head["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") == head_gpus
+        for section in ("requests", "limits"):
+            assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"][section], where
+        assert "nodeSelector" not in head["template"]["spec"] and "tolerations" not in head["template"]["spec"], where
         if engine == "vllm":
             assert cfg.rollout.server_url is None and cfg.rollout.vllm.host == "127.0.0.1"  # managed, pod-local
             from images.deploy import GPU_ROLLOUT, ROLLOUT_RESOURCE
@@ -49,6 +51,11 @@ def test_gpu_rayjob_serves_rollouts_from_a_vllm_server_on_its_head(rendered):
             assert cfg.rollout.vllm.replicas == GPU_ROLLOUT.replicas
             assert cfg.rollout.vllm.resources == {"GPU": 1, ROLLOUT_RESOURCE: 1}
             assert cfg.rollout.weight_sync.method == "disk" and cfg.output_dir.startswith("/data/")
+            # every GPU a pod requests has a Ray consumer: trainer ranks on gpu-workers, replicas on rollout-workers
+            groups = {g["groupName"]: g for g in cluster_spec(job)["workerGroupSpecs"]}
+            gpus = {n: int(g["template"]["spec"]["containers"][0]["resources"]["requests"].get("nvidia.com/gpu", 0))
+                    * g["replicas"] for n, g in groups.items()}  # fmt: skip
+            assert gpus == {"gpu-workers": cfg.train.world_size, "rollout-workers": cfg.rollout.vllm.replicas}
 
 
 def test_gpu_trainers_are_pinned_to_the_trainer_group_by_a_custom_resource(rendered):
