@@ -1,6 +1,6 @@
 """Sequence parallelism (`train.sp_size`): peak memory per rank and step time, sp 1 vs 2, on SmolLM2-135M.
 
-Command (from the repo root; the recorded run, ``--lengths 1024 2048 4096 8192 16384 --cap-mib 4096``, took ~40 min
+Command (from the repo root; the recorded run, ``--lengths 1024 2048 4096 8192 16384 --cap-mib 4096``, took 52 min
 on 2 idle cores; a 16k step of SmolLM2-135M is ~13 TFLOP of compute):
 
     .venv/bin/python bench/sequence_parallel.py [--lengths 1024 2048 4096] [--cap-mib 2048]
