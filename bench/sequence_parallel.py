@@ -152,23 +152,23 @@ def _report(rows: list[dict], cap: int, model_dir: str, threads: int, load) -> s
     headers = ["pack length", "activation ckpt", "sp", "peak - baseline MiB (worst rank)", "vs sp 1",
                "baseline RSS MiB", "step time s (fwd+bwd, slowest rank)"]  # fmt: skip
     body, ratios = [], {}
-    by_key = {(r["length"], r["ac"], r["sp"]): r for r in rows if "act" in r}
+    by_key = {(r["length"], r["ac"], r["sp"]): r for r in rows if "skipped" not in r}
     for r in rows:
-        one = by_key.get((r["length"], r["ac"], 1))
-        if "act" not in r:
-            one = None
-        ratio = r["act"] / one["act"] if one and one["act"] > 0 else float("nan")
-        if r["sp"] != 1:
-            ratios[(r["length"], r["ac"])] = ratio
         if "skipped" in r:
             body.append([r["length"], "on" if r["ac"] else "off", r["sp"], r["skipped"], "-", "-", "-"])
             continue
+        one = by_key.get((r["length"], r["ac"], 1))
+        ratio = r["act"] / one["act"] if one and one["act"] > 0 else float("nan")
+        if r["sp"] != 1:
+            ratios[(r["length"], r["ac"])] = ratio
         body.append([r["length"], "on" if r["ac"] else "off", r["sp"], r["act"] / MIB, f"{ratio:.2f}x",
                      r["baseline"] / MIB, r["step_s"]])  # fmt: skip
     longest = []
     for ac in (False, True):
         for sp in sorted({r["sp"] for r in rows}):
-            fits = [r["length"] for r in rows if r["ac"] == ac and r["sp"] == sp and r.get("act", cap + 1) <= cap]
+            fits = [
+                r["length"] for r in rows if r["ac"] == ac and r["sp"] == sp and "skipped" not in r and r["act"] <= cap
+            ]
             longest.append([sp, "on" if ac else "off", max(fits) if fits else "none measured"])
     worst = {}
     for ac in (False, True):  # the longest pack both sp 1 and sp 2 measured
