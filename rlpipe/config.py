@@ -131,7 +131,9 @@ class WeightSyncConfig(_Strict):
     """How a server engine (vllm, sglang) is kept serving the current policy, and how that is verified."""
 
     method: Literal["disk", "nccl"] = Field(
-        "disk", description="disk: safetensors in `dir`, reloaded in place; nccl: vLLM's NCCL transfer (GPU)."
+        "disk",
+        description="disk: safetensors in `dir` (managed replicas: through Ray's object store), reloaded in place; "
+        "nccl: vLLM's NCCL transfer (GPU), each tensor broadcast once to every replica in one group.",
     )
     dir: str | None = Field(
         None, description="Where published weights go; the server must see it. None: <output_dir>/serving."

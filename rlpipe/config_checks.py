@@ -70,10 +70,10 @@ def _check_replicas(cfg: PipelineConfig) -> None:
     if r.vllm.replicas > 1 and not managed:
         raise ValueError("rollout.vllm.replicas > 1 starts managed vLLM servers: drop server_url / server_urls "
                          "(list your own servers in rollout.server_urls instead)")  # fmt: skip
-    replicas = r.vllm.replicas if managed else max(1, len(r.server_urls))
-    if replicas > 1 and r.weight_sync.method == "nccl":
-        raise ValueError("rollout.weight_sync.method=nccl streams to one server; with several replicas use disk "
-                         "(the replicas get the weights through Ray's object store)")  # fmt: skip
+    placed = managed and (r.vllm.replicas > 1 or r.vllm.resources)
+    if placed and r.weight_sync.method == "nccl" and not r.vllm.resources.get("GPU"):
+        raise ValueError("rollout.weight_sync.method=nccl streams GPU to GPU: managed replicas need a GPU each "
+                         "(rollout.vllm.resources: {GPU: 1}); on CPU use method=disk")  # fmt: skip
 
 
 def _check_sequence_parallel(cfg: PipelineConfig) -> None:

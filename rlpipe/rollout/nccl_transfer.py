@@ -1,20 +1,26 @@
-"""The GPU weight-sync path: the policy streamed to a vLLM server over NCCL, in buckets, with no disk round trip.
+"""The GPU weight-sync path: the policy streamed to one or several vLLM servers over NCCL, in buckets, with no disk
+round trip.
 
 vLLM 0.32's weight-transfer routes (server started with `--weight-transfer-config '{"backend": "nccl"}'` and
 `VLLM_SERVER_DEV_MODE=1`):
 
-1. once: `POST /init_weight_transfer_engine {"init_info": {master_address, master_port, rank_offset: 1,
-   world_size, packed: false}}` while the trainer's rank 0 joins the same NCCL group as rank 0 (both block in the
-   rendezvous, so the POST runs on a side thread);
-2. per sync: `POST /pause?mode=wait`, `POST /start_weight_update`, then per bucket `POST /update_weights
-   {"update_info": {names, dtype_names, shapes}}` concurrently with one `broadcast(src=0)` per tensor of the bucket
-   in that order (the server receives exactly what the update info announces), `POST /finish_weight_update
-   {"weight_version": "v"}`, `POST /reset_prefix_cache`, and `POST /resume` in `finally`.
+1. once: `POST /init_weight_transfer_engine {"init_info": {master_address, master_port, rank_offset, world_size,
+   packed: false}}` to every server while the trainer's rank 0 joins the same NCCL group as rank 0 (all block in the
+   rendezvous, so the POSTs run on side threads). One group holds every replica: the trainer is rank 0 and replica i's
+   workers follow from `rank_offset` = 1 + the world sizes of the replicas before it (`group_layout`);
+2. per sync, on every server at once: `POST /pause?mode=wait`, `POST /start_weight_update`, then per bucket
+   `POST /update_weights {"update_info": {names, dtype_names, shapes}}` to all of them concurrently with one
+   `broadcast(src=0)` per tensor of the bucket in that order (each tensor crosses the trainer's link once, whatever
+   the number of replicas; every server receives exactly what the update info announces), `POST
+   /finish_weight_update {"weight_version": "v"}`, `POST /reset_prefix_cache`, and `POST /resume` in `finally`.
+
+A server is reached through a `ControlEndpoint`: plain HTTP for a server at a URL (`HttpControl`), or the replica's
+own Ray actor for a managed replica that listens on its node's loopback only (`rlpipe.rollout.replica_actor`).
 
 Buckets bound the trainer's extra memory: under FSDP2 every rank gathers only one bucket of full tensors at a time
 (`full_tensor()` is a collective), rank 0 broadcasts it and frees it. The communicator is vLLM's own
 (`open_trainer_endpoint`), so the trainer image needs vllm installed; everything else here is plain HTTP and is unit
-tested with a fake communicator.
+tested with a fake communicator, and with real gloo broadcasts to fake servers.
 """
 
 from __future__ import annotations
@@ -73,15 +79,26 @@ def update_info(bucket: list[TensorMeta]) -> dict[str, Any]:
     }
 
 
-def init_info(master_address: str, master_port: int, inference_world_size: int) -> dict[str, Any]:
-    """The `init_info` body of `/init_weight_transfer_engine`: trainer rank 0 + the server's workers after it."""
+def init_info(master_address: str, master_port: int, rank_offset: int, world_size: int) -> dict[str, Any]:
+    """The `init_info` body of `/init_weight_transfer_engine` for one server whose workers start at `rank_offset`."""
     return {
         "master_address": master_address,
         "master_port": int(master_port),
-        "rank_offset": 1,
-        "world_size": 1 + int(inference_world_size),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
         "packed": False,
     }
+
+
+def group_layout(inference_world_sizes: list[int]) -> tuple[list[int], int]:
+    """(rank offset of each server, world size of the group): the trainer is rank 0, the servers' workers follow."""
+    if not inference_world_sizes or any(w < 1 for w in inference_world_sizes):
+        raise ConfigError(f"NCCL weight transfer needs servers of >= 1 worker each, got {inference_world_sizes}")
+    offsets, next_rank = [], 1
+    for size in inference_world_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets, next_rank
 
 
 class Broadcaster(Protocol):
@@ -90,44 +107,118 @@ class Broadcaster(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
 
 
-class NCCLWeightSender:
-    """Trainer rank 0's side of the transfer: HTTP control calls to the server, tensors through `broadcaster`."""
+class ControlEndpoint(Protocol):
+    """How the trainer reaches one server's admin routes (picklable: it travels to trainer rank 0)."""
 
-    def __init__(self, base_url: str, broadcaster: Broadcaster, timeout_s: float = 600.0):
-        self.base_url = base_url.rstrip("/")
+    name: str
+
+    def call(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any: ...
+
+
+class HttpControl:
+    """A server the trainer reaches at `base_url`."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        self.name = self.base_url
+
+    def call(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        return request_json(self.base_url + route, body if body is not None or method == "GET" else {},
+                            self.timeout_s, method=method)  # fmt: skip
+
+
+def on_every_server(endpoints: list[ControlEndpoint], route: str, body: dict[str, Any] | None = None,
+                    method: str = "POST") -> list[Any]:  # fmt: skip
+    """`route` on every server at once; the answers in order, or the first failure (after all of them returned)."""
+    if len(endpoints) == 1:
+        return [endpoints[0].call(route, body, method)]
+    with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
+        futures = [pool.submit(e.call, route, body, method) for e in endpoints]
+        errors = [f.exception() for f in futures]
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return [f.result() for f in futures]
+
+
+def server_world_sizes(endpoints: list[ControlEndpoint]) -> list[int]:
+    """Each server's number of workers in the group (its tensor x pipeline x data parallel size)."""
+    return [int(answer["world_size"]) for answer in on_every_server(endpoints, "/get_world_size", None, "GET")]
+
+
+def join_weight_transfer(endpoints: list[ControlEndpoint], master_address: str, master_port: int,
+                         open_communicator: Callable[[str, int, int], Broadcaster]) -> Broadcaster:  # fmt: skip
+    """Trainer rank 0 and every server's workers join one group (`group_layout`); returns rank 0's communicator."""
+    offsets, world = group_layout(server_world_sizes(endpoints))
+    with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:  # every side blocks in the rendezvous
+        answers = [
+            pool.submit(e.call, "/init_weight_transfer_engine", {"init_info": init_info(master_address, master_port,
+                                                                                        off, world)})
+            for e, off in zip(endpoints, offsets, strict=True)
+        ]  # fmt: skip
+        communicator = open_communicator(master_address, master_port, world)
+        for answer in answers:
+            answer.result()
+    return communicator
+
+
+class NCCLWeightSender:
+    """Trainer rank 0's side of the transfer: control calls to every server, each tensor broadcast once to all."""
+
+    def __init__(self, endpoints: list[ControlEndpoint], broadcaster: Broadcaster, timeout_s: float = 600.0):
+        if not endpoints:
+            raise ConfigError("NCCL weight transfer needs at least one server")
+        self.endpoints = list(endpoints)
         self.broadcaster = broadcaster
         self.timeout_s = timeout_s
 
-    def _post(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        return request_json(self.base_url + route, body or {}, self.timeout_s)
+    def _all(self, route: str, body: dict[str, Any] | None = None) -> list[Any]:
+        return on_every_server(self.endpoints, route, body)
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> int:
-        """Stream every bucket (name, full tensor) and publish `version`; returns the number of tensors sent."""
+        """Stream every bucket (name, full tensor) and publish `version` on every server; returns the number of
+        tensors sent (each broadcast once, whatever the number of servers)."""
         sent = 0
-        self._post("/pause?mode=wait")
+        self._all("/pause?mode=wait")
         try:
-            self._post("/start_weight_update")
+            self._all("/start_weight_update")
             for bucket in buckets:
                 sent += self._send_bucket(bucket)
-            self._post("/finish_weight_update", {"weight_version": str(version)})
-            self._post("/reset_prefix_cache")
+            self._all("/finish_weight_update", {"weight_version": str(version)})
+            self._all("/reset_prefix_cache")
         finally:
-            self._post("/resume")
+            self._resume_all()
         return sent
+
+    def _resume_all(self) -> None:
+        """Resume every server, even when one of them fails to (the first failure is raised after)."""
+        failures = []
+        for endpoint in self.endpoints:
+            try:
+                endpoint.call("/resume", {})
+            except Exception as exc:  # noqa: BLE001 (raised below, once the others are resumed)
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         info = update_info([TensorMeta.of(name, t) for name, t in bucket])
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            # The server blocks in its receive until the broadcasts arrive: the POST runs beside them.
-            answer = pool.submit(self._post, "/update_weights", {"update_info": info})
+        pool = ThreadPoolExecutor(max_workers=len(self.endpoints))
+        try:
+            # Every server blocks in its receive until the broadcasts arrive: the POSTs run beside them.
+            answers = [pool.submit(e.call, "/update_weights", {"update_info": info}) for e in self.endpoints]
             for _name, tensor in bucket:
-                if answer.done():
-                    answer.result()  # a rejected request would leave the broadcast waiting forever
+                for answer in answers:
+                    if answer.done():
+                        answer.result()  # a rejected request would leave the broadcast waiting forever
                 self.broadcaster.broadcast(tensor.contiguous(), src=0)
-            try:
-                answer.result(timeout=self.timeout_s)
-            except TimeoutError as e:
-                raise WeightSyncError(f"{self.base_url}/update_weights did not return after the broadcast") from e
+            for endpoint, answer in zip(self.endpoints, answers, strict=True):
+                try:
+                    answer.result(timeout=self.timeout_s)
+                except TimeoutError as e:
+                    raise WeightSyncError(f"{endpoint.name}: /update_weights did not return after the broadcast") from e
+        finally:
+            pool.shutdown(wait=False)  # after a rejection the other servers may still wait for broadcasts
         return len(bucket)
 
 

@@ -56,14 +56,14 @@ class EngineReplica:
     def load(self, weights, version: int) -> dict[str, Any]:
         """Write `weights` (a `serving_buffer` array, read in place from the object store, or any bytes-like
         safetensors file; with LoRA the adapter directory's files by name) as this node's copy of `version` and
-        load it (a path: load that)."""
+        load it (a path: load that; None: the trainer streamed it over NCCL)."""
         from rlpipe.rollout.serving_dir import write_serving_buffer, write_version_files
 
         size = 0
         if isinstance(weights, dict):
             size = sum(len(data) for data in weights.values())
             weights = str(write_version_files(weights, self.root / "adapters", version))
-        elif not isinstance(weights, str):
+        elif weights is not None and not isinstance(weights, str):  # None: already in the server, nothing to write
             size = memoryview(weights).nbytes
             weights = str(write_serving_buffer(weights, self.root / "base", self.root / "serving", version))
         self.engine.load_weights(weights, version)
@@ -72,6 +72,11 @@ class EngineReplica:
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         return self.engine.score(prompt_ids, response_ids)
+
+    def control(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        """One admin call to this node's server, for trainer rank 0's NCCL transfer (the server listens on the
+        node's loopback only, so the call goes through this actor)."""
+        return self.engine.control_endpoint().call(route, body, method)
 
     def served_model(self) -> str:
         """The model name requests carry (with LoRA the current version's adapter name)."""
@@ -143,6 +148,9 @@ class RemoteEngine:
     def generate_each(self, prompts: list[list[int]], params: SamplingParams, indices: list[int]):
         return self._call("generate_each", prompts, params, indices)
 
+    def control_endpoint(self) -> ReplicaControl:
+        return ReplicaControl(self.actor, self.index, self.name)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         done, failed = self.generate_each(prompts, params, list(range(len(prompts))))
         if failed:
@@ -167,6 +175,24 @@ class RemoteEngine:
         except RolloutServerError:
             pass
         ray.kill(self.actor)
+
+
+class ReplicaControl:
+    """A managed replica's admin routes as a `nccl_transfer.ControlEndpoint`: each call goes through its actor, so
+    trainer rank 0 on another node reaches a server that listens on its own node's loopback."""
+
+    def __init__(self, actor, index: int, name: str, timeout_s: float = 600.0):
+        self.actor, self.index, self.name, self.timeout_s = actor, index, name, timeout_s
+
+    def call(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        import ray
+
+        from rlpipe.ray_env import lost_worker_errors
+
+        try:
+            return ray.get(self.actor.control.remote(route, body, method), timeout=self.timeout_s)
+        except lost_worker_errors() as exc:
+            raise RolloutServerError(f"vllm replica {self.index}: its actor or node is gone ({exc})") from exc
 
 
 def start_replicas(spec: VLLMServerSpec, model_dir: str, vllm_cfg, eos_token_id: int | None, dtype: str,

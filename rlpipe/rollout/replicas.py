@@ -10,7 +10,8 @@ fails verification stops the run with `WeightSyncError` naming it. Sampling rout
 Faults: a replica whose server dies mid-rollout keeps what it finished; its failed prompts are re-sent to a live
 replica (each prompt keeps its own seed, so its samples are what that replica would have drawn for it), and the dead
 one is restarted from its last synced weights and re-verified before it samples again (`vllm.max_restarts` each).
-A replica that cannot come back is dropped with a log line; with none left, `RolloutServerError`.
+A replica that cannot come back is dropped with a log line; with none left, `RolloutServerError`. Under NCCL sync
+the trainer and every replica form one fixed group, so a failed replica stops the run instead (`rejoinable`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class ReplicaPool:
     """N `EngineSync`s (one per replica) behind one sync: publish once, load and verify all, route prompts."""
 
     def __init__(self, syncs: list[EngineSync], publish: Publish, trainer_probe: TrainerProbe,
-                 probe: list[ProbeSequence], max_new_tokens: int, publish_ahead: bool, log=print):  # fmt: skip
+                 probe: list[ProbeSequence], max_new_tokens: int, publish_ahead: bool, rejoinable: bool = True,
+                 log=print):  # fmt: skip
         if not syncs:
             raise ValueError("ReplicaPool needs at least one replica")
         self.syncs = syncs
@@ -45,6 +47,7 @@ class ReplicaPool:
             s.publish, s.trainer_probe = _publish_through_the_pool, _publish_through_the_pool
         self.publish, self.trainer_probe, self.probe = publish, trainer_probe, probe
         self.max_new_tokens, self.publish_ahead, self.log = max_new_tokens, publish_ahead, log
+        self.rejoinable = rejoinable  # False under NCCL sync: the group is fixed when the run starts
         self.live = list(range(len(syncs)))
         self.lock = threading.RLock()
         self.dispatch_log: list[tuple[int, int, str]] = []  # (prompt index, replica, "ok" | "failed") of the last batch
@@ -223,8 +226,16 @@ class ReplicaPool:
         """Restart replica `i` (bounded); drop it from the pool once its restarts are spent. True if it is back.
 
         A failure that is not a crash (a server rlpipe does not own, or one still alive that answered wrongly)
-        raises `exc` itself, as with one engine: the run stops with the server's own error."""
+        raises `exc` itself, as with one engine: the run stops with the server's own error. Neither restart nor
+        drop is possible when the replicas share the trainer's NCCL group (`rejoinable=False`): a restarted server
+        is not in the group and a dead member blocks every broadcast, so the run stops, to resume from its last
+        checkpoint."""
         self._failed.pop(i, None)
+        if not self.rejoinable:
+            raise RolloutServerError(
+                f"{self.syncs[i].engine.name} failed ({exc}); with rollout.weight_sync.method=nccl a restarted server "
+                "cannot rejoin the trainer's NCCL group, so the run stops: resume it from its last checkpoint"
+            ) from exc
         try:
             self.syncs[i]._restart_or_raise(exc)
         except RolloutServerError as final:

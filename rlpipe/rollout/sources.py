@@ -120,7 +120,7 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
     streamed = r.weight_sync.method == "nccl"
     engines, publish = _engines(cfg, model_dir, controller, tokenizer.eos_token_id, log)
     if streamed:
-        publish = _nccl_publisher(controller, engines[0], r.weight_sync.bucket_mb << 20)
+        publish = _nccl_publisher(controller, engines, r.weight_sync.bucket_mb << 20)
     probe = build_probe(
         [prompts[i].prompt_ids for i in range(min(len(prompts), r.weight_sync.probe_sequences))],
         vocab_size=len(tokenizer),
@@ -142,6 +142,7 @@ def build_engine_sync(cfg: PipelineConfig, model_dir: str, controller, tokenizer
         probe=probe,
         max_new_tokens=r.max_new_tokens,
         publish_ahead=not streamed,  # a new versioned directory never touches the served one
+        rejoinable=not streamed,  # a restarted server is outside the trainer's NCCL group
         log=log,
     )
 
@@ -174,12 +175,9 @@ def _disk_publisher(controller, root: Path):
     return lambda version: controller.export_serving(str(root.resolve()), version)
 
 
-def _nccl_publisher(controller, engine, bucket_bytes: int):
-    """Publish = the workers stream the weights into the server over NCCL; nothing for the engine to load after."""
-    from rlpipe.rollout.http_json import request_json
-
-    world = request_json(engine.base_url + "/get_world_size", None, 30.0, method="GET")["world_size"]
-    controller.init_weight_transfer(engine.base_url, int(world))
+def _nccl_publisher(controller, engines, bucket_bytes: int):
+    """Publish = the workers stream the weights into every server over one NCCL group; nothing to load after."""
+    controller.init_weight_transfer([engine.control_endpoint() for engine in engines])
 
     def publish(version: int) -> None:
         controller.send_weights_nccl(version, bucket_bytes)

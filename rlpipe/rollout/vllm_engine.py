@@ -184,6 +184,12 @@ class VLLMEngine:
     def _start_dir(self) -> str | None:
         return self.server.spec.model_dir if self.server is not None else None
 
+    def control_endpoint(self):
+        """How trainer rank 0 reaches this server's admin routes for the NCCL transfer (`nccl_transfer`)."""
+        from rlpipe.rollout.nccl_transfer import HttpControl
+
+        return HttpControl(self.base_url)
+
     def weight_checksums(self) -> dict[str, str]:
         """sha256 of every engine parameter per rank (`/weight_checker`, vLLM dev mode)."""
         return request_json(self._url("/weight_checker"), {"action": "checksum"}, self.timeout_s)["checksums"]

@@ -163,12 +163,12 @@ class TrainingController:
         ray.wait(refs[:1], fetch_local=False)
         return refs[0]
 
-    def init_weight_transfer(self, base_url: str, inference_world_size: int) -> None:
-        """GPU path: rank 0 joins the vLLM server's NCCL group."""
-        self._all("init_weight_transfer", base_url, inference_world_size)
+    def init_weight_transfer(self, endpoints: list) -> None:
+        """GPU path: rank 0 joins one NCCL group with every vLLM server (`nccl_transfer.ControlEndpoint`s)."""
+        self._all("init_weight_transfer", endpoints)
 
     def send_weights_nccl(self, version: int, bucket_bytes: int) -> int:
-        """GPU path: stream the policy to the server; returns the number of tensors sent."""
+        """GPU path: stream the policy to every server; returns the number of tensors sent."""
         return self._all("send_weights_nccl", version, bucket_bytes)[0]
 
     def weights_digest(self) -> str:

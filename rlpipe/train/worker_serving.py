@@ -102,24 +102,18 @@ class ServingExport:
             pairs.append((f"{head}.weight", hf.get_output_embeddings().weight))
         return pairs
 
-    def init_weight_transfer(self, base_url: str, inference_world_size: int) -> tuple[str, int] | None:
-        """Rank 0 joins the server's NCCL weight-transfer group (GPU path; see rlpipe.rollout.nccl_transfer)."""
+    def init_weight_transfer(self, endpoints: list) -> tuple[str, int] | None:
+        """Rank 0 joins one NCCL weight-transfer group with every server (`endpoints`: their `ControlEndpoint`s;
+        GPU path, see rlpipe.rollout.nccl_transfer); returns the group's (address, port) on rank 0."""
         if self.rank != 0:
             return None
-        from concurrent.futures import ThreadPoolExecutor
-
         import ray
 
-        from rlpipe.rollout.http_json import request_json
-        from rlpipe.rollout.nccl_transfer import NCCLWeightSender, init_info, open_vllm_communicator
+        from rlpipe.rollout.nccl_transfer import NCCLWeightSender, join_weight_transfer, open_vllm_communicator
 
         addr, port = ray.util.get_node_ip_address(), free_port()
-        body = {"init_info": init_info(addr, port, inference_world_size)}
-        with ThreadPoolExecutor(max_workers=1) as pool:  # both sides block in the rendezvous
-            answer = pool.submit(request_json, base_url.rstrip("/") + "/init_weight_transfer_engine", body)
-            communicator = open_vllm_communicator(addr, port, 1 + inference_world_size)
-            answer.result()
-        self._weight_sender = NCCLWeightSender(base_url, communicator)
+        communicator = join_weight_transfer(endpoints, addr, port, open_vllm_communicator)
+        self._weight_sender = NCCLWeightSender(endpoints, communicator)
         return addr, port
 
     def send_weights_nccl(self, version: int, bucket_bytes: int) -> int:

@@ -95,8 +95,14 @@ def test_engine_replicas_are_managed_or_listed_never_both():
     with pytest.raises(ConfigError, match="server_urls is for synced engines"):
         load_config(overrides={"rollout.engine": "openai", "rollout.server_url": "http://a",
                                "rollout.server_urls": ["http://b"], "algo.rollout_is.enabled": True})  # fmt: skip
-    with pytest.raises(ConfigError, match="nccl streams to one server"):
+    with pytest.raises(ConfigError, match="managed replicas need a GPU each"):
         load_config(overrides={**vllm, "rollout.vllm.replicas": 2, "rollout.weight_sync.method": "nccl"})
+    on_gpus = {**vllm, "rollout.vllm.replicas": 2, "rollout.vllm.resources": {"GPU": 1}, "rollout.weight_sync.method":
+               "nccl"}  # fmt: skip
+    assert load_config(overrides=on_gpus).rollout.weight_sync.method == "nccl"  # one group for both replicas
+    two_urls = load_config(overrides={**vllm, "rollout.server_urls": ["http://a", "http://b"],
+                                      "rollout.weight_sync.method": "nccl"})  # fmt: skip
+    assert two_urls.rollout.server_urls == ["http://a", "http://b"]
     sglang = load_config(overrides={"rollout.engine": "sglang", "rollout.server_urls": ["http://a", "http://b"]})
     assert sglang.rollout.server_urls == ["http://a", "http://b"]
     managed = load_config(overrides={**vllm, "rollout.vllm.replicas": 2, "rollout.vllm.resources": {"GPU": 1}})

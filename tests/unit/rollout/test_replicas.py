@@ -68,7 +68,7 @@ class FakeReplica:
         pass
 
 
-def _pool(n: int, max_restarts: int = 2):
+def _pool(n: int, max_restarts: int = 2, rejoinable: bool = True):
     replicas = [FakeReplica(i) for i in range(n)]
     published: list[int] = []
     trainer_calls: list[str] = []
@@ -85,7 +85,8 @@ def _pool(n: int, max_restarts: int = 2):
     syncs = [EngineSync(r, None, None, probe, 1e-6, max_restarts=max_restarts, log=lambda m: None) for r in replicas]
     for s in syncs:
         s._still_alive = lambda grace_s, s=s: s.engine.alive()  # no 10 s grace in a unit test
-    pool = ReplicaPool(syncs, publish, trainer_probe, probe, max_new_tokens=4, publish_ahead=True, log=lambda m: None)
+    pool = ReplicaPool(syncs, publish, trainer_probe, probe, max_new_tokens=4, publish_ahead=True,
+                       rejoinable=rejoinable, log=lambda m: None)  # fmt: skip
     return pool, replicas, published, trainer_calls
 
 
@@ -165,6 +166,19 @@ def test_a_replica_that_cannot_come_back_is_dropped_and_the_rest_serve():
     assert len(gens) == 8 and pool.live == [0]
     pool.generate([[1]], PARAMS, version=2)
     assert replicas[0].loads == [1, 2] and replicas[1].loads == [1]
+
+
+def test_under_one_nccl_group_a_failed_replica_stops_the_run_instead_of_restarting_or_dropping():
+    pool, replicas, published, _ = _pool(2, rejoinable=False)
+    pool.generate([[1]], PARAMS, version=1)
+    replicas[0].die_after = 1  # mid-batch
+    with pytest.raises(RolloutServerError, match="cannot rejoin the trainer's NCCL group.*last checkpoint"):
+        pool.generate([[5, i] for i in range(6)], PARAMS, version=1)
+    assert replicas[0].restarts == 0 and pool.live == [0, 1]
+    replicas[0].dead = True  # dead at the next sync too
+    with pytest.raises(RolloutServerError, match="cannot rejoin"):
+        pool.generate([[1]], PARAMS, version=2)
+    assert replicas[0].restarts == 0 and published == [1, 2]
 
 
 def test_staged_publish_is_reused_by_the_sync():

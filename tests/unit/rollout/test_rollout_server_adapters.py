@@ -1,61 +1,19 @@
-"""Server adapters without a real server: what vLLM/SGLang/NCCL sync calls send, in which order, and how failures
-surface. A loopback http.server records requests; a fake communicator records broadcasts."""
+"""Server adapters without a real server: what vLLM/SGLang sync calls send, in which order, and how failures
+surface. A loopback http.server records requests (`tests.fake_http.Recorder`); the NCCL transfer is tested in
+test_nccl_transfer.py."""
 
 from __future__ import annotations
 
 import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
 
 from rlpipe.errors import ConfigError, RolloutServerError, WeightSyncError
-from rlpipe.rollout.nccl_transfer import NCCLWeightSender, TensorMeta, init_info, iter_buckets, plan_buckets
 from rlpipe.rollout.sglang_engine import SGLangEngine
 from rlpipe.rollout.vllm_engine import VLLMEngine
 from rlpipe.rollout.vllm_process import VLLMServer, VLLMServerSpec, check_cpu_head_dim
-
-
-class Recorder:
-    """Answers {} to everything unless `answers[path]` says otherwise; `fail` paths get HTTP 500."""
-
-    def __init__(self):
-        self.requests: list[tuple[str, dict]] = []
-        self.answers: dict[str, dict] = {}
-        self.fail: set[str] = set()
-        self.events: list[str] = []  # shared with the fake communicator to check interleaving
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self._reply(None)
-
-            def do_POST(self):
-                self._reply(json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}"))
-
-            def _reply(self, body):
-                route = self.path.split("?")[0]
-                outer.requests.append((self.path, body))
-                outer.events.append(f"http {route}")
-                code, payload = (500, {"error": "boom"}) if route in outer.fail else (200, outer.answers.get(route, {}))
-                raw = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def paths(self) -> list[str]:
-        return [p for p, _ in self.requests]
+from tests.fake_http import Recorder
 
 
 @pytest.fixture
@@ -128,68 +86,6 @@ def test_sglang_load_and_score(server):
     assert server.requests[-1][1]["input_ids"] == [1, 5, 6] and server.requests[-1][1]["logprob_start_len"] == 0
     with pytest.raises(RolloutServerError, match="expected 7"):
         engine.score([1], [7, 6])
-
-
-def test_buckets_keep_order_and_bound_size():
-    metas = [TensorMeta(f"w{i}", "float32", (n,), 4 * n) for i, n in enumerate([10, 10, 30, 5, 1])]
-    buckets = plan_buckets(metas, bucket_bytes=80)
-    assert [[m.name for m in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4"]]  # w2 (120 B) goes alone
-    assert [m for b in buckets for m in b] == metas
-    with pytest.raises(ConfigError):
-        plan_buckets(metas, 0)
-
-
-def test_buckets_materialise_lazily_in_order():
-    seen: list[str] = []
-    pairs = [(f"p{i}", torch.full((4,), float(i))) for i in range(3)]
-
-    def materialize(t):
-        seen.append(f"gather {int(t[0])}")
-        return t * 1
-
-    it = iter_buckets(pairs, bucket_bytes=16, materialize=materialize)
-    first = next(it)
-    assert [n for n, _ in first] == ["p0"] and seen == ["gather 0"]  # nothing else gathered yet
-    rest = list(it)
-    assert [n for b in rest for n, _ in b] == ["p1", "p2"] and seen == ["gather 0", "gather 1", "gather 2"]
-
-
-class FakeBroadcaster:
-    def __init__(self, events):
-        self.events, self.sent = events, []
-
-    def broadcast(self, tensor, src=0):
-        assert src == 0 and tensor.is_contiguous()
-        self.sent.append(tensor.clone())
-        self.events.append(f"broadcast {tuple(tensor.shape)}")
-
-
-def test_nccl_sender_announces_each_bucket_then_broadcasts_it(server):
-    comm = FakeBroadcaster(server.events)
-    sender = NCCLWeightSender(server.url, comm)
-    w = torch.arange(6.0).reshape(2, 3).t()  # non-contiguous: must be sent contiguous
-    buckets = [[("a", torch.ones(2)), ("b", w)], [("c", torch.zeros(1, dtype=torch.bfloat16))]]
-    assert sender.send(iter(buckets), version=9) == 3
-    routes = [p for p, _ in server.requests]
-    assert routes[:2] == ["/pause?mode=wait", "/start_weight_update"]
-    assert routes[-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/resume"]
-    updates = [b for p, b in server.requests if p == "/update_weights"]
-    assert updates == [
-        {"update_info": {"names": ["a", "b"], "dtype_names": ["float32", "float32"], "shapes": [[2], [3, 2]]}},
-        {"update_info": {"names": ["c"], "dtype_names": ["bfloat16"], "shapes": [[1]]}},
-    ]
-    assert server.requests[-3][1] == {"weight_version": "9"}
-    assert torch.equal(comm.sent[1], w) and len(comm.sent) == 3
-    assert init_info("10.0.0.1", 29500, 2) == {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
-                                              "world_size": 3, "packed": False}  # fmt: skip
-
-
-def test_nccl_sender_resumes_the_server_when_an_update_is_rejected(server):
-    server.fail.add("/update_weights")
-    sender = NCCLWeightSender(server.url, FakeBroadcaster(server.events), timeout_s=5)
-    with pytest.raises(RolloutServerError, match="update_weights: HTTP 500"):
-        sender.send(iter([[("a", torch.ones(2))]]), version=1)
-    assert server.paths()[-1] == "/resume" and "/finish_weight_update" not in server.paths()
 
 
 def _fake_python(tmp_path, body: str) -> str:
