@@ -225,8 +225,8 @@ def body(res: dict, plot_path: Path) -> str:
         f"{'met' if target and in_time else 'NOT met'}.\n\n"
         + _significance(res)
         + f"Settings: {settings}.\n\n{per_iteration}\n\n"
-        f"1-min load average: {loads} (2 cores shared with other work: the wall time is not an idle-machine "
-        f"number).\n\nCurve: `{repo_relative(plot_path)}`.\n"
+        f"1-min load average: {loads} (the run's own trainer and engine keep about 2 busy; more means other work "
+        f"shared the 2 cores and slowed the wall time).\n\nCurve: `{repo_relative(plot_path)}`.\n"
     )
 
 

@@ -5,12 +5,18 @@ Command (from the repo root; needs `bash scripts/setup_vllm.sh`, and `pip instal
     RAY_AUTH_MODE=disabled PYTHONPATH=. .venv/bin/python bench/rollout_replicas.py
 
 (a) Rollout tokens/s and sync time, tiny default model. One Ray node; each replica is an `EngineReplica` actor
-    (`rlpipe.rollout.replica_actor`, what `rollout.vllm.replicas` starts) with its server bound to its own core
-    (`VLLM_CPU_OMP_THREADS_BIND=<i>`: by default every CPU server binds core 0). The trainer is idle during rollout:
+    (`rlpipe.rollout.replica_actor`, what `rollout.vllm.replicas` starts) with its server on its own core: every
+    process of server i (API server, engine core, compute threads) is pinned to core i (`VLLMServerSpec.cpus`), and
+    its compute threads bind it (`VLLM_CPU_OMP_THREADS_BIND=<i>`: by default every CPU server binds core 0). Without
+    the pinning one replica's API server and engine-core loop use the other core, so "1 replica" would get more than
+    one core. The trainer is idle during rollout:
     an HF copy of the model in this process takes one AdamW step between syncs and publishes the same way the
     training workers do (`serving_buffer` into the object store; each replica writes its node-local copy).
     Rollout: `ReplicaPool.generate` on `--prompts` prompts x `--n` samples x `--max-new-tokens`, the same seeds for
-    both counts, median of `--repeats` (after one warm-up). Sync: median `engine/sync_time_s` (publish once + the
+    both counts, median of `--repeats` (after one warm-up). The target ratio is paired: inside the 2-replica run,
+    each repeat samples with replica 0 alone and with both, in alternating order (so drift in the machine's state
+    hits both alike); the separately started 1-replica pool is reported beside it (two runs minutes apart differed
+    by 30% on this machine). Sync: median `engine/sync_time_s` (publish once + the
     slowest replica's load and verification) over `--updates` updates.
 (b) SmolLM2-135M: the sync time of one replica against the limit, writing and reading the model's bytes once on
     this machine (safetensors of the state dict into memory, a file in /dev/shm, read back).
@@ -58,7 +64,8 @@ def start_pool(model_dir: str, replicas: int, trainer: Trainer):
     for i in range(replicas):
         spec = VLLMServerSpec(python=str(HERE.parent / ".venv-vllm/bin/python"), model_dir=model_dir,
                               served_model_name="policy", max_model_len=256, extra_args=cpu_server_args(256),
-                              extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())})  # fmt: skip
+                              extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())},
+                              cpus=(i % os.cpu_count(),))  # fmt: skip
         actors.append(ray.remote(EngineReplica).options(num_cpus=0).remote(spec, base, i, None))
     engines = [RemoteEngine(a, i) for i, a in enumerate(actors)]
 
@@ -72,7 +79,6 @@ def start_pool(model_dir: str, replicas: int, trainer: Trainer):
 
 
 def measure(model_dir: str, replicas: int, args, work: Path) -> dict:
-    from rlpipe.rollout.engine import SamplingParams
     from rlpipe.rollout.engine_sync import SyncStats
 
     trainer = Trainer(model_dir, work / f"unused-{replicas}", probe_tokens=16)
@@ -86,16 +92,35 @@ def measure(model_dir: str, replicas: int, args, work: Path) -> dict:
             pool.stats = SyncStats()
             pool.ensure_current(trainer.version)
             syncs.append(pool.stats.sync_metrics())
-        rates = []
-        for r in range(args.repeats + 1):
-            params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=100 + r)
-            start = time.perf_counter()
-            gens = pool.generate(prompts, params, trainer.version)
-            rates.append(sum(len(g.response_ids) for g in gens) / (time.perf_counter() - start))
+        rates = rollout_rates(pool, prompts, trainer.version, args)
         parts = {k.removeprefix("engine/"): statistics.median(m[k] for m in syncs[1:]) for k in SYNC_PARTS}
-        return {"tokens_per_s": statistics.median(rates[1:]), "sync_s": parts.pop("sync_time_s"), **parts}
+        out = {"tokens_per_s": rates[replicas], "sync_s": parts.pop("sync_time_s"), **parts}
+        if replicas == 2:
+            out["tokens_per_s_one_of_two"] = rates[1]
+        return out
     finally:
         pool.close()
+
+
+def rollout_rates(pool, prompts: list[list[int]], version: int, args) -> dict[int, float]:
+    """Median rollout tokens/s of `pool`; for a 2-replica pool also of its replica 0 alone (a pool over that one
+    replica), measured interleaved with the pair, in alternating order, with the other replica idle but running:
+    a paired comparison in which only the number of replicas sampling differs."""
+    from rlpipe.rollout.engine import SamplingParams
+    from rlpipe.rollout.replicas import ReplicaPool
+
+    pools = {len(pool.syncs): pool}
+    if len(pool.syncs) == 2:
+        pools[1] = ReplicaPool(pool.syncs[:1], pool.publish, pool.trainer_probe, pool.probe, pool.max_new_tokens,
+                               publish_ahead=pool.publish_ahead, log=lambda m: None)  # fmt: skip
+    rates: dict[int, list[float]] = {k: [] for k in pools}
+    for r in range(args.repeats + 1):  # repeat 0 is warm-up
+        params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=100 + r)
+        for k in sorted(pools, reverse=r % 2 == 1):
+            start = time.perf_counter()
+            gens = pools[k].generate(prompts, params, version)
+            rates[k].append(sum(len(g.response_ids) for g in gens) / (time.perf_counter() - start))
+    return {k: statistics.median(v[1:]) for k, v in rates.items()}
 
 
 def byte_limit(model_dir: str) -> dict:
@@ -140,7 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         for replicas in () if args.only_smollm2 else (1, 2):
             results[replicas] = measure(tiny, replicas, args, Path(tmp))
             print(replicas, results[replicas], flush=True)
-            rows.append([replicas, f"{results[replicas]['tokens_per_s']:.0f}", f"{results[replicas]['sync_s']:.3f}"])
+            rows.append([f"{replicas} (own pool)", f"{results[replicas]['tokens_per_s']:.0f}",
+                         f"{results[replicas]['sync_s']:.3f}"])  # fmt: skip
+        if results:
+            rows.insert(1, ["1 of the 2 (interleaved)", f"{results[2]['tokens_per_s_one_of_two']:.0f}", "-"])
         smol = None
         if not args.skip_smollm2:
             smol_dir, _ = _model_dir("smollm2", Path(tmp))
@@ -150,14 +178,17 @@ def main(argv: list[str] | None = None) -> None:
     ray.shutdown()
     body = ""
     if results:
-        speed = results[2]["tokens_per_s"] / results[1]["tokens_per_s"]
+        speed = results[2]["tokens_per_s"] / results[2]["tokens_per_s_one_of_two"]
+        own_pools = results[2]["tokens_per_s"] / results[1]["tokens_per_s"]
         sync_ratio = results[2]["sync_s"] / results[1]["sync_s"]
         body = (
             f"Tiny default model, {args.prompts} prompts x {args.n} samples x {args.max_new_tokens} new tokens, vLLM "
-            "CPU replicas as Ray actors, server i on core i, trainer idle during rollout; medians.\n\n"
+            "CPU replicas as Ray actors, every process of server i pinned to core i, trainer idle during rollout; "
+            "medians.\n\n"
             + table(["replicas", "rollout tokens/s", "sync time per update (s)"], rows)
-            + f"\n\n2 replicas: rollout {speed:.2f}x one (target >= 1.7x), sync {sync_ratio:.2f}x one (target <= "
-            "1.3x)."
+            + f"\n\n2 replicas: rollout {speed:.2f}x one (target >= 1.7x; paired: the pair against its replica 0 "
+            f"alone, interleaved in one run; against the separately started 1-replica pool {own_pools:.2f}x), sync "
+            f"{sync_ratio:.2f}x one (target <= 1.3x)."
         )
     if smol is not None:
         body += (

@@ -107,7 +107,7 @@ def _lineage(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     """The checkpoint's policy as a HF model dir, with the config it was trained with (its `config.json`); a
     LoRA policy also gets its peft adapter in `<out>/adapter` (the merged model is `<out>` itself)."""
-    from rlpipe.config import _set_dotted, parse_override, validate_config
+    from rlpipe.config import parse_override, set_dotted, validate_config
     from rlpipe.io import read_json
     from rlpipe.phases import export_hf
     from rlpipe.train.checkpoint import CONFIG_NAME, verify_checkpoint
@@ -116,7 +116,7 @@ def _export(args: argparse.Namespace) -> int:
     saved = Path(args.checkpoint) / CONFIG_NAME
     raw = read_json(saved, what="checkpoint config", error=RlpipeError)
     for key, value in (parse_override(o) for o in args.set):
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     cfg = validate_config(raw, source=str(saved))
     print(export_hf(cfg, args.checkpoint, args.out_dir))
     return 0

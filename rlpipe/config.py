@@ -453,7 +453,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             raise ConfigError(f"config {path} must be a mapping at the top level, got {type(loaded).__name__}")
         raw = loaded or {}
     for dotted, value in (overrides or {}).items():
-        _set_dotted(raw, dotted, value)
+        set_dotted(raw, dotted, value)
     return validate_config(raw, source=str(path) if path else "<defaults>")
 
 
@@ -482,7 +482,8 @@ def parse_override(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
-def _set_dotted(tree: dict, dotted: str, value: object) -> None:
+def set_dotted(tree: dict, dotted: str, value: object) -> None:
+    """Set `tree["a"]["b"]["c"] = value` for `dotted` "a.b.c" (an override), creating sections on the way."""
     node = tree
     parts = dotted.split(".")
     for part in parts[:-1]:

@@ -138,6 +138,11 @@ class EngineSync:
         serving_dir = self.publish(version)
         self._staged = (version, serving_dir, self.trainer_probe(self.probe), time.perf_counter() - start)
 
+    def use_published(self, version: int, artifact: str | None, trainer_logprobs: list[list[float]]) -> None:
+        """`version` was published (and the trainer's probe scored) by someone else, a `ReplicaPool` for all its
+        replicas: the next `ensure_current(version)` only loads `artifact` and verifies."""
+        self._staged = (version, artifact, trainer_logprobs, 0.0)
+
     def _ensure_current(self, version: int) -> None:
         if self.engine.served_version == version:
             return
@@ -203,7 +208,7 @@ class EngineSync:
                     self._ensure_current(version)
                     return self.engine.generate(prompts, params)
                 except RolloutServerError as exc:
-                    self._restart_or_raise(exc)
+                    self.restart_or_raise(exc)
                     self.stats.restarts += 1
 
     def generate_served(self, prompts: list[list[int]], params: SamplingParams, version: int) -> tuple[list, int]:
@@ -216,13 +221,14 @@ class EngineSync:
         with self.lock:
             while True:
                 try:
-                    self._expect_served(version)
+                    self.expect_served(version)
                     return self.engine.generate(prompts, params), restarts
                 except RolloutServerError as exc:
-                    self._restart_or_raise(exc)
+                    self.restart_or_raise(exc)
                     restarts += 1
 
-    def _expect_served(self, version: int) -> None:
+    def expect_served(self, version: int) -> None:
+        """Check the engine serves `version`; after a restart, re-verify it against the cached trainer probe."""
         if self.engine.served_version == version:
             return
         if self._probe_cache is None or self._probe_cache[0] != version:
@@ -233,7 +239,8 @@ class EngineSync:
         self.verify(version)  # restarted from this version's directory: verify it before trusting it
         self.engine.served_version = version
 
-    def _restart_or_raise(self, exc: RolloutServerError) -> None:
+    def restart_or_raise(self, exc: RolloutServerError) -> None:
+        """Restart a managed server that died (bounded by `max_restarts`); re-raise anything else."""
         if not self._should_restart(exc):
             raise exc
         self.restarts += 1

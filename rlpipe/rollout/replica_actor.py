@@ -33,6 +33,7 @@ class EngineReplica:
                  published_dtype: str = "float32", lora: bool = False):  # fmt: skip
         import ray
 
+        from rlpipe.rollout.serving_dir import write_files
         from rlpipe.rollout.vllm_engine import VLLMEngine
         from rlpipe.rollout.vllm_lora import VLLMLoRAEngine
         from rlpipe.rollout.vllm_process import VLLMServer
@@ -41,8 +42,7 @@ class EngineReplica:
         self.root = node_local_root() / f"rlpipe-replica{index}-{uuid.uuid4().hex[:8]}"
         base = self.root / "base"
         base.mkdir(parents=True)
-        for name, data in base_files.items():
-            (base / Path(name).name).write_bytes(data)
+        write_files(base_files, base)
         spec.model_dir, spec.log_path = str(base), str(self.root / "vllm.log")
         self.server = VLLMServer(spec, log=lambda m: print(f"[replica {index}] {m}", flush=True))
         engine_cls = VLLMLoRAEngine if lora else VLLMEngine  # LoRA: every sync loads only the adapter

@@ -140,7 +140,7 @@ class ReplicaPool:
         self._publish_once(version)
         _, artifact, trainer_lp = self._published
         for i in stale:
-            self.syncs[i]._staged = (version, artifact, trainer_lp, 0.0)
+            self.syncs[i].use_published(version, artifact, trainer_lp)
         outcomes = self._parallel(stale, lambda i: self.syncs[i].ensure_current(version))
         for i, exc in outcomes.items():
             if exc is None:
@@ -148,7 +148,7 @@ class ReplicaPool:
             if isinstance(exc, WeightSyncError) or not isinstance(exc, RolloutServerError):
                 raise exc  # a replica that loaded but does not verify stops the run, naming it
             if self._restart(i, exc):
-                self.syncs[i]._staged = (version, artifact, trainer_lp, 0.0)
+                self.syncs[i].use_published(version, artifact, trainer_lp)
                 self.syncs[i].ensure_current(version)
         self._require_live()
 
@@ -220,7 +220,7 @@ class ReplicaPool:
         """Restart every replica that failed in this batch and re-verify it against `version`'s cached probe."""
         for i in list(self._failed):
             if self._restart(i, self._failed[i]):
-                self.syncs[i]._expect_served(version)
+                self.syncs[i].expect_served(version)
 
     def _restart(self, i: int, exc: RolloutServerError) -> bool:
         """Restart replica `i` (bounded); drop it from the pool once its restarts are spent. True if it is back.
@@ -237,7 +237,7 @@ class ReplicaPool:
                 "cannot rejoin the trainer's NCCL group, so the run stops: resume it from its last checkpoint"
             ) from exc
         try:
-            self.syncs[i]._restart_or_raise(exc)
+            self.syncs[i].restart_or_raise(exc)
         except RolloutServerError as final:
             if final is exc:
                 raise

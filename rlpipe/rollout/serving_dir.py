@@ -126,17 +126,19 @@ def write_serving_buffer(weights, model_dir: str | Path, root: str | Path, versi
     return _publish_version(root, version, keep, fill)
 
 
+def write_files(files: dict[str, bytes], directory: Path) -> None:
+    """Write `files` (name -> content) into `directory`, each flushed to disk; only a name's last component is used,
+    so nothing lands outside `directory`."""
+    for name, data in files.items():
+        with open(directory / Path(name).name, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+
+
 def write_version_files(files: dict[str, bytes], root: str | Path, version: int, keep: int = 2) -> Path:
     """A version directory under `root` holding `files` (name -> content; e.g. a peft adapter directory's files
     sent through the object store), written atomically like `write_serving_dir`."""
-
-    def fill(tmp: Path) -> None:
-        for name, data in files.items():
-            with open(tmp / Path(name).name, "wb") as f:  # a bare file name: nothing lands outside `tmp`
-                f.write(data)
-                os.fsync(f.fileno())
-
-    return _publish_version(root, version, keep, fill)
+    return _publish_version(root, version, keep, lambda tmp: write_files(files, tmp))
 
 
 def model_dir_files(model_dir: str | Path) -> dict[str, bytes]:

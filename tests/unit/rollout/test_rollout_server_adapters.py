@@ -126,6 +126,26 @@ def test_managed_server_starts_healthy_logs_and_stops(tmp_path):
     assert "rlpipe: start 1" in log and "fake vllm up" in log
 
 
+def test_a_pinned_server_and_its_children_run_only_on_their_cores(tmp_path):
+    import os
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    body = HEALTH_SERVER.replace(
+        'print("fake vllm up", flush=True)',
+        "import os, subprocess\n"
+        "print('server cores', sorted(os.sched_getaffinity(0)), flush=True)\n"
+        "subprocess.run([sys.executable, '-c', 'import os; print(\"child cores\", sorted(os.sched_getaffinity(0)))'])",
+    )
+    spec = VLLMServerSpec(python=_fake_python(tmp_path, body), model_dir=str(tmp_path), served_model_name="p",
+                          log_path=str(tmp_path / "vllm.log"), startup_timeout_s=30, cpus=(core,))  # fmt: skip
+    server = VLLMServer(spec, log=lambda m: None)
+    server.start()
+    server.stop()
+    log = (tmp_path / "vllm.log").read_text()
+    assert f"server cores [{core}]" in log and f"child cores [{core}]" in log
+    assert os.sched_getaffinity(0) != {core} or os.cpu_count() == 1  # the caller itself is not pinned
+
+
 def test_managed_server_that_dies_at_start_quotes_its_log(tmp_path):
     spec = VLLMServerSpec(python=_fake_python(tmp_path, "import sys; print('CUDA out of memory'); sys.exit(3)"),
                           model_dir=str(tmp_path), served_model_name="p", log_path=str(tmp_path / "v.log"))  # fmt: skip
