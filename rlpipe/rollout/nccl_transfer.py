@@ -19,8 +19,9 @@ own Ray actor for a managed replica that listens on its node's loopback only (`r
 
 Buckets bound the trainer's extra memory: under FSDP2 every rank gathers only one bucket of full tensors at a time
 (`full_tensor()` is a collective), rank 0 broadcasts it and frees it. The communicator is vLLM's own
-(`open_trainer_endpoint`), so the trainer image needs vllm installed; everything else here is plain HTTP and is unit
-tested with a fake communicator, and with real gloo broadcasts to fake servers.
+(`stateless_init_process_group`, through `open_vllm_communicator`), so the trainer image needs vllm installed;
+everything else here is plain HTTP and is unit tested with a fake communicator, and with real gloo broadcasts to
+fake servers.
 """
 
 from __future__ import annotations
@@ -148,9 +149,12 @@ def server_world_sizes(endpoints: list[ControlEndpoint]) -> list[int]:
 
 def join_weight_transfer(endpoints: list[ControlEndpoint], master_address: str, master_port: int,
                          open_communicator: Callable[[str, int, int], Broadcaster]) -> Broadcaster:  # fmt: skip
-    """Trainer rank 0 and every server's workers join one group (`group_layout`); returns rank 0's communicator."""
+    """Trainer rank 0 and every server's workers join one group (`group_layout`); returns rank 0's communicator.
+    If rank 0 cannot join (no CUDA, no vllm), the error is raised at once: the servers' calls, stuck in the
+    rendezvous, are left to their own timeouts."""
     offsets, world = group_layout(server_world_sizes(endpoints))
-    with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:  # every side blocks in the rendezvous
+    pool = ThreadPoolExecutor(max_workers=len(endpoints))  # every side blocks in the rendezvous
+    try:
         answers = [
             pool.submit(e.call, "/init_weight_transfer_engine", {"init_info": init_info(master_address, master_port,
                                                                                         off, world)})
@@ -159,6 +163,8 @@ def join_weight_transfer(endpoints: list[ControlEndpoint], master_address: str, 
         communicator = open_communicator(master_address, master_port, world)
         for answer in answers:
             answer.result()
+    finally:
+        pool.shutdown(wait=False)
     return communicator
 
 
@@ -179,8 +185,8 @@ class NCCLWeightSender:
         """Stream every bucket (name, full tensor) and publish `version` on every server; returns the number of
         tensors sent (each broadcast once, whatever the number of servers)."""
         sent = 0
-        self._all("/pause?mode=wait")
         try:
+            self._all("/pause?mode=wait")  # inside: servers that paused are resumed when another one fails to
             self._all("/start_weight_update")
             for bucket in buckets:
                 sent += self._send_bucket(bucket)
@@ -191,15 +197,9 @@ class NCCLWeightSender:
         return sent
 
     def _resume_all(self) -> None:
-        """Resume every server, even when one of them fails to (the first failure is raised after)."""
-        failures = []
-        for endpoint in self.endpoints:
-            try:
-                endpoint.call("/resume", {})
-            except Exception as exc:  # noqa: BLE001 (raised below, once the others are resumed)
-                failures.append(exc)
-        if failures:
-            raise failures[0]
+        """Resume every server at once, each whatever the others answer (`on_every_server` waits for all of them
+        before it raises the first failure)."""
+        on_every_server(self.endpoints, "/resume", {})
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         info = update_info([TensorMeta.of(name, t) for name, t in bucket])

@@ -181,7 +181,7 @@ class ReplicaControl:
     """A managed replica's admin routes as a `nccl_transfer.ControlEndpoint`: each call goes through its actor, so
     trainer rank 0 on another node reaches a server that listens on its own node's loopback."""
 
-    def __init__(self, actor, index: int, name: str, timeout_s: float = 600.0):
+    def __init__(self, actor, index: int, name: str, timeout_s: float = 660.0):
         self.actor, self.index, self.name, self.timeout_s = actor, index, name, timeout_s
 
     def call(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
@@ -189,10 +189,14 @@ class ReplicaControl:
 
         from rlpipe.ray_env import lost_worker_errors
 
-        try:
+        try:  # the actor's own HTTP call times out first (after 600 s), with the server's error
             return ray.get(self.actor.control.remote(route, body, method), timeout=self.timeout_s)
         except lost_worker_errors() as exc:
             raise RolloutServerError(f"vllm replica {self.index}: its actor or node is gone ({exc})") from exc
+        except ray.exceptions.GetTimeoutError as exc:
+            raise RolloutServerError(
+                f"vllm replica {self.index}: no answer to {route} in {self.timeout_s:.0f}s"
+            ) from exc
 
 
 def start_replicas(spec: VLLMServerSpec, model_dir: str, vllm_cfg, eos_token_id: int | None, dtype: str,

@@ -188,6 +188,8 @@ class ReplicaPool:
                 if failed:
                     todo += failed
                     self._failed[r] = RolloutServerError(failed[min(failed)])
+                    if not self.rejoinable:  # stop now, before re-sampling a batch that cannot finish
+                        self._restart(r, self._failed[r])
             todo.sort()
             attempt += 1
         self._restart_failed(version)  # back with the last synced weights, verified, before the next batch

@@ -40,14 +40,17 @@ class VLLMServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING for LoRA, or
     # the server's CPU cores (VLLM_CPU_OMP_THREADS_BIND: replicas sharing a CPU node need it; all bind core 0 by default)
-    cpus: tuple[int, ...] = ()  # cores the server and all its processes may run on (sched_setaffinity); () = any.
+    cpus: tuple[int, ...] = ()  # cores the server and all its processes may run on (`taskset -c`); () = any.
     # VLLM_CPU_OMP_THREADS_BIND pins only the compute threads: the API server and engine-core loop still roam
     log_path: str = "vllm-server.log"
     startup_timeout_s: float = 600.0
 
     def command(self, port: int) -> list[str]:
-        """The server command line (public so tests and docs can see exactly what runs)."""
+        """The server command line (public so tests and docs can see exactly what runs); with `cpus`, under
+        `taskset`, so the server and every process it starts stay on those cores."""
+        pin = ["taskset", "-c", ",".join(str(c) for c in self.cpus)] if self.cpus else []
         return [
+            *pin,
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
             "--served-model-name", self.served_model_name,
@@ -118,14 +121,6 @@ def cpu_server_args(max_model_len: int) -> list[str]:
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, CPU_STEP_TOKENS))]
 
 
-def _pin_to(cpus: tuple[int, ...]):
-    """The `preexec_fn` that restricts the server process (and so its children) to `cpus`; None for any core."""
-    if not cpus:
-        return None
-    wanted = set(cpus)
-    return lambda: os.sched_setaffinity(0, wanted)
-
-
 def _free_port(host: str) -> int:
     import socket
 
@@ -171,7 +166,6 @@ class VLLMServer:
                 stderr=subprocess.STDOUT,
                 env=self.spec.environment(),
                 start_new_session=True,  # its engine-core children die with the group on stop()
-                preexec_fn=_pin_to(self.spec.cpus),  # children inherit the affinity
             )
         self.log(f"vLLM server starting on {self.base_url} (pid {self.process.pid}, log {log_path})")
         self._wait_healthy()

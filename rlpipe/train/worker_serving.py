@@ -117,7 +117,7 @@ class ServingExport:
         return addr, port
 
     def send_weights_nccl(self, version: int, bucket_bytes: int) -> int:
-        """Stream the policy to the server in buckets (a collective: under FSDP2 every rank gathers each bucket)."""
+        """Stream the policy to every server in buckets (a collective: under FSDP2 every rank gathers each bucket)."""
         from rlpipe.rollout.nccl_transfer import iter_buckets
 
         def materialize(t: torch.Tensor) -> torch.Tensor:

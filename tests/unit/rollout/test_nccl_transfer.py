@@ -107,6 +107,15 @@ def test_one_server_rejecting_an_update_fails_the_sync_naming_it_and_every_serve
     assert [p for p in servers[0].paths() if p == "/update_weights"] == ["/update_weights"]  # stopped at bucket 1
 
 
+def test_a_server_that_cannot_pause_fails_the_sync_and_the_ones_that_paused_are_resumed(servers):
+    servers[0].fail.add("/pause")
+    sender = NCCLWeightSender([HttpControl(s.url) for s in servers], FakeBroadcaster([]), timeout_s=5)
+    with pytest.raises(RolloutServerError, match=f"{servers[0].url}/pause"):
+        sender.send(iter([[("a", torch.ones(2))]]), version=1)
+    assert servers[1].paths() == ["/pause?mode=wait", "/resume"]  # paused, then resumed, nothing started
+    assert servers[0].paths()[-1] == "/resume"
+
+
 class GlooRank:
     """One rank of a gloo group with vLLM's stateless layout (rank 0 hosts the store): a real `broadcast`."""
 
