@@ -121,19 +121,8 @@ class RemoteEngine:
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """One actor call; a lost actor or node becomes a `RolloutServerError` naming the replica."""
-        import ray
-
-        from rlpipe.ray_env import lost_worker_errors
-
-        try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout_s or self.timeout_s)
-        except lost_worker_errors() as exc:
-            raise RolloutServerError(f"vllm replica {self.index}: its actor or node is gone ({exc})") from exc
-        except ray.exceptions.GetTimeoutError as exc:
-            raise RolloutServerError(
-                f"vllm replica {self.index}: no answer to {method} in {timeout_s or self.timeout_s:.0f}s (not placed? "
-                "a node must offer rollout.vllm.num_cpus and rollout.vllm.resources)"
-            ) from exc
+        hint = " (not placed? a node must offer rollout.vllm.num_cpus and rollout.vllm.resources)"
+        return call_replica(self.actor, self.index, method, args, timeout_s or self.timeout_s, method, hint)
 
     def load_weights(self, weights, version: int) -> None:
         self.served_version = None  # unverified until the caller's probe passes
@@ -185,18 +174,23 @@ class ReplicaControl:
         self.actor, self.index, self.name, self.timeout_s = actor, index, name, timeout_s
 
     def call(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
-        import ray
+        # the actor's own HTTP call times out first (after 600 s), with the server's error
+        return call_replica(self.actor, self.index, "control", (route, body, method), self.timeout_s, route)
 
-        from rlpipe.ray_env import lost_worker_errors
 
-        try:  # the actor's own HTTP call times out first (after 600 s), with the server's error
-            return ray.get(self.actor.control.remote(route, body, method), timeout=self.timeout_s)
-        except lost_worker_errors() as exc:
-            raise RolloutServerError(f"vllm replica {self.index}: its actor or node is gone ({exc})") from exc
-        except ray.exceptions.GetTimeoutError as exc:
-            raise RolloutServerError(
-                f"vllm replica {self.index}: no answer to {route} in {self.timeout_s:.0f}s"
-            ) from exc
+def call_replica(actor, index: int, method: str, args: tuple, timeout_s: float, what: str, hint: str = "") -> Any:
+    """`actor.method(*args)`, awaited; a lost actor or node, or no answer in `timeout_s`, becomes a
+    `RolloutServerError` naming replica `index` (and `what` it was asked)."""
+    import ray
+
+    from rlpipe.ray_env import lost_worker_errors
+
+    try:
+        return ray.get(getattr(actor, method).remote(*args), timeout=timeout_s)
+    except lost_worker_errors() as exc:
+        raise RolloutServerError(f"vllm replica {index}: its actor or node is gone ({exc})") from exc
+    except ray.exceptions.GetTimeoutError as exc:
+        raise RolloutServerError(f"vllm replica {index}: no answer to {what} in {timeout_s:.0f}s{hint}") from exc
 
 
 def start_replicas(spec: VLLMServerSpec, model_dir: str, vllm_cfg, eos_token_id: int | None, dtype: str,

@@ -20,7 +20,7 @@ from tests.fake_http import Recorder
 def server():
     rec = Recorder()
     yield rec
-    rec.httpd.shutdown()
+    rec.close()
 
 
 def test_vllm_load_is_pause_reload_reset_tag_resume_then_reads_back_the_evidence(server):
