@@ -5,19 +5,20 @@ Command (from the repo root; needs `bash scripts/setup_vllm.sh`, and `pip instal
     RAY_AUTH_MODE=disabled PYTHONPATH=. .venv/bin/python bench/rollout_replicas.py
 
 (a) Rollout tokens/s and sync time, tiny default model. One Ray node; each replica is an `EngineReplica` actor
-    (`rlpipe.rollout.replica_actor`, what `rollout.vllm.replicas` starts) with its server on its own core: every
-    process of server i (API server, engine core, compute threads) is pinned to core i (`VLLMServerSpec.cpus`), and
-    its compute threads bind it (`VLLM_CPU_OMP_THREADS_BIND=<i>`: by default every CPU server binds core 0). Without
-    the pinning one replica's API server and engine-core loop use the other core, so "1 replica" would get more than
-    one core. The trainer is idle during rollout:
+    (`rlpipe.rollout.replica_actor`, what `rollout.vllm.replicas` starts) on its own core: every process of server i
+    (API server, engine core, compute threads) is pinned to core i (`VLLMServerSpec.cpus`), its compute threads
+    bind it (`VLLM_CPU_OMP_THREADS_BIND=<i>`: by default every CPU server binds core 0), and so is replica i's actor,
+    the client that sends its requests and parses the answers. Without the pinning one replica's API server,
+    engine-core loop and client use the other core, so "1 replica" would get more than one core. The trainer is idle during rollout:
     an HF copy of the model in this process takes one AdamW step between syncs and publishes the same way the
     training workers do (`serving_buffer` into the object store; each replica writes its node-local copy).
     Rollout: `ReplicaPool.generate` on `--prompts` prompts x `--n` samples x `--max-new-tokens`, the same seeds for
     both counts, median of `--repeats` (after one warm-up). The target ratio is paired: inside the 2-replica run,
     each repeat samples with replica 0 alone and with both, in alternating order (so drift in the machine's state
     hits both alike); the separately started 1-replica pool is reported beside it (two runs minutes apart differed
-    by 30% on this machine). Sync: median `engine/sync_time_s` (publish once + the
-    slowest replica's load and verification) over `--updates` updates.
+    by 30% on this machine). Sync: median `engine/sync_time_s` (publish once + the slowest replica's load and
+    verification) over `--updates` updates, paired the same way: each update is synced by the pair or by replica 0
+    alone, in alternating order.
 (b) SmolLM2-135M: the sync time of one replica against the limit, writing and reading the model's bytes once on
     this machine (safetensors of the state dict into memory, a file in /dev/shm, read back).
 
@@ -67,6 +68,8 @@ def start_pool(model_dir: str, replicas: int, trainer: Trainer):
                               extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())},
                               cpus=(i % os.cpu_count(),))  # fmt: skip
         actors.append(ray.remote(EngineReplica).options(num_cpus=0).remote(spec, base, i, None))
+    for i, actor in enumerate(actors):  # the replica's client side (HTTP, JSON) shares its server's core
+        ray.get(actor.__ray_call__.remote(_pin_process, {i % os.cpu_count()}))
     engines = [RemoteEngine(a, i) for i, a in enumerate(actors)]
 
     def publish(version: int):
@@ -78,41 +81,68 @@ def start_pool(model_dir: str, replicas: int, trainer: Trainer):
     return ReplicaPool(syncs, publish, trainer.probe_logprobs, probe, max_new_tokens=64, publish_ahead=True)
 
 
-def measure(model_dir: str, replicas: int, args, work: Path) -> dict:
-    from rlpipe.rollout.engine_sync import SyncStats
+def _pin_process(_actor, cpus: set[int]) -> None:
+    """Pin every thread of the calling actor's process to `cpus` (threads it starts later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
+
+def measure(model_dir: str, replicas: int, args, work: Path) -> dict:
     trainer = Trainer(model_dir, work / f"unused-{replicas}", probe_tokens=16)
     pool = start_pool(model_dir, replicas, trainer)
     try:
+        pools = paired_pools(pool)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, trainer.vocab, (16,), generator=gen).tolist() for _ in range(args.prompts)]
-        syncs = []
-        for _ in range(args.updates + 1):  # the first sync (from the base weights) is warm-up
-            trainer.step(1e-4)
-            pool.stats = SyncStats()
-            pool.ensure_current(trainer.version)
-            syncs.append(pool.stats.sync_metrics())
-        rates = rollout_rates(pool, prompts, trainer.version, args)
-        parts = {k.removeprefix("engine/"): statistics.median(m[k] for m in syncs[1:]) for k in SYNC_PARTS}
+        syncs = sync_times(pools, trainer, args.updates)
+        rates = rollout_rates(pools, prompts, trainer.version, args)
+        parts = {k.removeprefix("engine/"): statistics.median(m[k] for m in syncs[replicas]) for k in SYNC_PARTS}
         out = {"tokens_per_s": rates[replicas], "sync_s": parts.pop("sync_time_s"), **parts}
         if replicas == 2:
             out["tokens_per_s_one_of_two"] = rates[1]
+            out["sync_s_one_of_two"] = statistics.median(m["engine/sync_time_s"] for m in syncs[1])
         return out
     finally:
         pool.close()
 
 
-def rollout_rates(pool, prompts: list[list[int]], version: int, args) -> dict[int, float]:
-    """Median rollout tokens/s of `pool`; for a 2-replica pool also of its replica 0 alone (a pool over that one
-    replica), measured interleaved with the pair, in alternating order, with the other replica idle but running:
-    a paired comparison in which only the number of replicas sampling differs."""
-    from rlpipe.rollout.engine import SamplingParams
+def paired_pools(pool) -> dict:
+    """{replica count: pool}: `pool`, and for a 2-replica pool also a pool over its replica 0 alone (the other one
+    idle but running), for paired comparisons in which only the number of replicas at work differs."""
     from rlpipe.rollout.replicas import ReplicaPool
 
     pools = {len(pool.syncs): pool}
     if len(pool.syncs) == 2:
         pools[1] = ReplicaPool(pool.syncs[:1], pool.publish, pool.trainer_probe, pool.probe, pool.max_new_tokens,
                                publish_ahead=pool.publish_ahead, log=lambda m: None)  # fmt: skip
+    return pools
+
+
+def sync_times(pools: dict, trainer: Trainer, updates: int) -> dict[int, list[dict]]:
+    """Each pool's sync metrics over `updates` updates of its own, interleaved (update k goes to the pair or to
+    replica 0 alone, in alternating order); the first sync of each (from the base weights) is warm-up."""
+    from rlpipe.rollout.engine_sync import SyncStats
+
+    syncs: dict[int, list[dict]] = {k: [] for k in pools}
+    for r in range(updates + 1):
+        for k in sorted(pools, reverse=r % 2 == 1):
+            trainer.step(1e-4)
+            pools[k].stats = SyncStats()
+            pools[k].ensure_current(trainer.version)
+            if r > 0:
+                syncs[k].append(pools[k].stats.sync_metrics())
+    return syncs
+
+
+def rollout_rates(pools: dict, prompts: list[list[int]], version: int, args) -> dict[int, float]:
+    """Median rollout tokens/s of each pool (`paired_pools`), measured interleaved, in alternating order."""
+    from rlpipe.rollout.engine import SamplingParams
+
+    top = pools[max(pools)]
+    top.ensure_current(version)  # replica 1 may be a version behind after `sync_times`
     rates: dict[int, list[float]] = {k: [] for k in pools}
     for r in range(args.repeats + 1):  # repeat 0 is warm-up
         params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=100 + r)
@@ -152,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=5)
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--only-smollm2", action="store_true", help="just the SmolLM2 sync against its limit")
     ap.add_argument("--no-write", action="store_true")
@@ -168,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([f"{replicas} (own pool)", f"{results[replicas]['tokens_per_s']:.0f}",
                          f"{results[replicas]['sync_s']:.3f}"])  # fmt: skip
         if results:
-            rows.insert(1, ["1 of the 2 (interleaved)", f"{results[2]['tokens_per_s_one_of_two']:.0f}", "-"])
+            rows.insert(1, ["1 of the 2 (interleaved)", f"{results[2]['tokens_per_s_one_of_two']:.0f}",
+                            f"{results[2]['sync_s_one_of_two']:.3f}"])  # fmt: skip
         smol = None
         if not args.skip_smollm2:
             smol_dir, _ = _model_dir("smollm2", Path(tmp))
@@ -180,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     if results:
         speed = results[2]["tokens_per_s"] / results[2]["tokens_per_s_one_of_two"]
         own_pools = results[2]["tokens_per_s"] / results[1]["tokens_per_s"]
-        sync_ratio = results[2]["sync_s"] / results[1]["sync_s"]
+        sync_ratio = results[2]["sync_s"] / results[2]["sync_s_one_of_two"]
+        sync_own_pools = results[2]["sync_s"] / results[1]["sync_s"]
         body = (
             f"Tiny default model, {args.prompts} prompts x {args.n} samples x {args.max_new_tokens} new tokens, vLLM "
             "CPU replicas as Ray actors, every process of server i pinned to core i, trainer idle during rollout; "
@@ -188,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             + table(["replicas", "rollout tokens/s", "sync time per update (s)"], rows)
             + f"\n\n2 replicas: rollout {speed:.2f}x one (target >= 1.7x; paired: the pair against its replica 0 "
             f"alone, interleaved in one run; against the separately started 1-replica pool {own_pools:.2f}x), sync "
-            f"{sync_ratio:.2f}x one (target <= 1.3x)."
+            f"{sync_ratio:.2f}x one (target <= 1.3x; paired the same way, each update synced by the pair or by "
+            f"replica 0 alone in turn; against the separate pool {sync_own_pools:.2f}x)."
         )
     if smol is not None:
         body += (

@@ -33,6 +33,7 @@ from rlpipe.rollout.probe import (
     compare_probe,
     default_probe_noise,
     relative_probe,
+    score_probe,
 )
 from rlpipe.rollout.serving_dir import published_bytes
 
@@ -178,7 +179,7 @@ class EngineSync:
         (absolute tolerance) or if the engine is nearer the previous version's weights than this one's (relative)."""
         if self._probe_cache is None or self._probe_cache[0] != version:
             self._set_probe(version, self.trainer_probe(self.probe))
-        engine_lp = [self.engine.score(p.prompt_ids, p.response_ids) for p in self.probe]
+        engine_lp = score_probe(self.engine, self.probe)
         result = compare_probe(engine_lp, self._probe_cache[1])
         self.stats.probe_max_abs_diff = result.max_abs_diff
         try:

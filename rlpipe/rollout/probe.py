@@ -41,7 +41,8 @@ class SyncableEngine(Protocol):
         ...
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        """The engine's log-probability of each response token given the prompt and the tokens before it (T=1)."""
+        """The engine's log-probability of each response token given the prompt and the tokens before it (T=1).
+        An engine that can batch also has `score_many(pairs) -> list of those`, one request for all (`score_probe`)."""
         ...
 
 
@@ -51,6 +52,15 @@ class ProbeSequence:
 
     prompt_ids: list[int]
     response_ids: list[int]
+
+
+def score_probe(engine, probe: list[ProbeSequence]) -> list[list[float]]:
+    """The engine's logprobs of every probe sequence: in one batched request where the engine has `score_many`
+    (the vLLM engines), else one `score` per sequence."""
+    pairs = [(p.prompt_ids, p.response_ids) for p in probe]
+    if hasattr(engine, "score_many"):
+        return engine.score_many(pairs)
+    return [engine.score(prompt, response) for prompt, response in pairs]
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,9 @@ class EngineReplica:
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         return self.engine.score(prompt_ids, response_ids)
 
+    def score_many(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        return self.engine.score_many(sequences)
+
     def control(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
         """One admin call to this node's server, for trainer rank 0's NCCL transfer (the server listens on the
         node's loopback only, so the call goes through this actor)."""
@@ -133,6 +136,9 @@ class RemoteEngine:
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         return self._call("score", prompt_ids, response_ids)
+
+    def score_many(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        return self._call("score_many", sequences)
 
     def generate_each(self, prompts: list[list[int]], params: SamplingParams, indices: list[int]):
         return self._call("generate_each", prompts, params, indices)

@@ -104,6 +104,21 @@ def external_server(tmp_path_factory):
     server.stop()
 
 
+def test_a_batched_probe_scores_like_one_request_per_sequence(external_server):
+    """`score_many` (the probe of every sync, one request) against `score` one sequence at a time, same server.
+    Runs before the test below, which stops the module's server."""
+    from rlpipe.rollout.vllm_engine import VLLMEngine
+
+    _, server = external_server
+    engine = VLLMEngine(server.base_url, "policy", eos_token_id=None)
+    pairs = [([5, 9, 11], [40, 41, 42, 43]), ([7], [12, 13]), ([100, 3, 60, 61, 62], [80])]
+    batched = engine.score_many(pairs)
+    one_by_one = [engine.score(prompt, response) for prompt, response in pairs]
+    assert [len(b) for b in batched] == [4, 2, 1]
+    np.testing.assert_allclose(np.concatenate(batched), np.concatenate(one_by_one), atol=1e-5)
+    assert len({round(x, 3) for x in np.concatenate(batched)}) > 1  # real logprobs, not one constant
+
+
 def test_a_partial_sync_is_detected_and_a_dead_server_fails_cleanly(external_server, ray_session):
     from safetensors.torch import load_file, save_file
 

@@ -11,7 +11,7 @@ from rlpipe.errors import RolloutServerError, WeightSyncError
 from rlpipe.models.tiny import TinyModelConfig, build_tiny_model
 from rlpipe.rollout.engine import Generation, SamplingParams
 from rlpipe.rollout.engine_sync import EngineSync
-from rlpipe.rollout.probe import build_probe, check_probe, compare_probe
+from rlpipe.rollout.probe import ProbeSequence, build_probe, check_probe, compare_probe
 from rlpipe.rollout.serving_dir import (
     VERSION_FILE,
     WEIGHTS_FILE,
@@ -91,6 +91,30 @@ def test_probe_comparison_catches_differences_and_nan():
         check_probe(compare_probe([[float("nan")]], [[-1.0]]), 1e-3, "e", 1)
     with pytest.raises(WeightSyncError, match="sequence 0"):
         compare_probe([[-1.0]], [[-1.0, -2.0]])
+
+
+def test_the_probe_is_one_batched_request_where_the_engine_batches_else_one_per_sequence():
+    from rlpipe.rollout.probe import score_probe
+
+    probe = [ProbeSequence([1, 2], [3]), ProbeSequence([4], [5, 6])]
+
+    class OneByOne:
+        def __init__(self):
+            self.calls = []
+
+        def score(self, prompt_ids, response_ids):
+            self.calls.append((prompt_ids, response_ids))
+            return [-float(t) for t in response_ids]
+
+    class Batching(OneByOne):
+        def score_many(self, pairs):
+            self.calls.append(("many", pairs))
+            return [[-float(t) for t in r] for _, r in pairs]
+
+    single, batched = OneByOne(), Batching()
+    assert score_probe(single, probe) == score_probe(batched, probe) == [[-3.0], [-5.0, -6.0]]
+    assert single.calls == [([1, 2], [3]), ([4], [5, 6])]
+    assert batched.calls == [("many", [([1, 2], [3]), ([4], [5, 6])])]
 
 
 class FakeEngine:

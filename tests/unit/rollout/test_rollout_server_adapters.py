@@ -61,14 +61,27 @@ def test_vllm_failed_reload_still_resumes_and_keeps_no_verified_version(server):
 
 def test_vllm_score_reads_prompt_logprobs_of_the_response_positions(server):
     entries = [None, {"5": {"logprob": -0.1}}, {"token_id:7": {"logprob": -0.2}}, {"9": {"logprob": -0.3}}]
-    server.answers["/v1/completions"] = {"choices": [{"prompt_logprobs": entries}]}
+    server.answers["/v1/completions"] = {"choices": [{"index": 0, "prompt_logprobs": entries}]}
     engine = VLLMEngine(server.url, "policy", eos_token_id=2)
     assert engine.score([1, 5], [7, 9]) == [-0.2, -0.3]
     body = server.requests[0][1]
-    assert body["prompt"] == [1, 5, 7, 9] and body["prompt_logprobs"] == 0 and body["max_tokens"] == 1
-    server.answers["/v1/completions"] = {"choices": [{"prompt_logprobs": entries[:3]}]}
+    assert body["prompt"] == [[1, 5, 7, 9]] and body["prompt_logprobs"] == 0 and body["max_tokens"] == 1
+    server.answers["/v1/completions"] = {"choices": [{"index": 0, "prompt_logprobs": entries[:3]}]}
     with pytest.raises(RolloutServerError, match="malformed prompt_logprobs"):
         engine.score([1, 5], [7, 9])
+
+
+def test_vllm_scores_a_whole_probe_in_one_request_and_matches_answers_by_index(server):
+    first = [None, {"5": {"logprob": -0.1}}, {"7": {"logprob": -0.2}}]
+    second = [None, {"8": {"logprob": -0.4}}, {"6": {"logprob": -0.5}}, {"4": {"logprob": -0.6}}]
+    server.answers["/v1/completions"] = {"choices": [{"index": 1, "prompt_logprobs": second},
+                                                     {"index": 0, "prompt_logprobs": first}]}  # fmt: skip
+    engine = VLLMEngine(server.url, "policy", eos_token_id=2)
+    assert engine.score_many([([1], [5, 7]), ([3, 8], [6, 4])]) == [[-0.1, -0.2], [-0.5, -0.6]]
+    assert len(server.requests) == 1 and server.requests[0][1]["prompt"] == [[1, 5, 7], [3, 8, 6, 4]]
+    server.answers["/v1/completions"] = {"choices": [{"index": 0, "prompt_logprobs": first}]}
+    with pytest.raises(RolloutServerError, match="1 choices for 2 sequences"):
+        engine.score_many([([1], [5, 7]), ([3, 8], [6, 4])])
 
 
 def test_sglang_load_and_score(server):
