@@ -26,8 +26,10 @@ fake servers.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -171,12 +173,14 @@ def join_weight_transfer(endpoints: list[ControlEndpoint], master_address: str, 
 class NCCLWeightSender:
     """Trainer rank 0's side of the transfer: control calls to every server, each tensor broadcast once to all."""
 
-    def __init__(self, endpoints: list[ControlEndpoint], broadcaster: Broadcaster, timeout_s: float = 600.0):
+    def __init__(self, endpoints: list[ControlEndpoint], broadcaster: Broadcaster, timeout_s: float = 600.0,
+                 resume_grace_s: float = 30.0):  # fmt: skip
         if not endpoints:
             raise ConfigError("NCCL weight transfer needs at least one server")
         self.endpoints = list(endpoints)
         self.broadcaster = broadcaster
         self.timeout_s = timeout_s
+        self.resume_grace_s = resume_grace_s  # after a failed transfer: how long the error waits for the resumes
 
     def _all(self, route: str, body: dict[str, Any] | None = None) -> list[Any]:
         return on_every_server(self.endpoints, route, body)
@@ -192,14 +196,27 @@ class NCCLWeightSender:
                 sent += self._send_bucket(bucket)
             self._all("/finish_weight_update", {"weight_version": str(version)})
             self._all("/reset_prefix_cache")
-        finally:
-            self._resume_all()
+        except BaseException:
+            self._resume_after_failure()
+            raise
+        self._resume_all()
         return sent
 
     def _resume_all(self) -> None:
         """Resume every server at once, each whatever the others answer (`on_every_server` waits for all of them
         before it raises the first failure)."""
         on_every_server(self.endpoints, "/resume", {})
+
+    def _resume_after_failure(self) -> None:
+        """Ask every server to resume, waiting at most `resume_grace_s` before the transfer's error goes on: a
+        server still blocked in a receive (another one rejected the bucket) answers only at its HTTP timeout, and
+        the run stops anyway, since a group broken mid-transfer cannot be used again."""
+        threads = [threading.Thread(target=_call_quietly, args=(e, "/resume"), daemon=True) for e in self.endpoints]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.resume_grace_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         info = update_info([TensorMeta.of(name, t) for name, t in bucket])
@@ -212,14 +229,25 @@ class NCCLWeightSender:
                     if answer.done():
                         answer.result()  # a rejected request would leave the broadcast waiting forever
                 self.broadcaster.broadcast(tensor.contiguous(), src=0)
+            # A rejection is raised as soon as it arrives, even while another server still waits in its receive.
+            done, _ = wait(answers, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+            for answer in answers:
+                if answer in done:
+                    answer.result()
             for endpoint, answer in zip(self.endpoints, answers, strict=True):
-                try:
-                    answer.result(timeout=self.timeout_s)
-                except TimeoutError as e:
-                    raise WeightSyncError(f"{endpoint.name}: /update_weights did not return after the broadcast") from e
+                if answer not in done:
+                    raise WeightSyncError(f"{endpoint.name}: /update_weights did not return after the broadcast")
         finally:
             pool.shutdown(wait=False)  # after a rejection the other servers may still wait for broadcasts
         return len(bucket)
+
+
+def _call_quietly(endpoint: ControlEndpoint, route: str) -> None:
+    """One control call whose failure is not the error to report (the transfer's own error is)."""
+    try:
+        endpoint.call(route, {})
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def iter_buckets(

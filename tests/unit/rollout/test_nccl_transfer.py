@@ -5,6 +5,8 @@ rank offset), so one broadcast per tensor reaching every replica is checked with
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -105,6 +107,30 @@ def test_one_server_rejecting_an_update_fails_the_sync_naming_it_and_every_serve
     for server in servers:
         assert server.paths()[-1] == "/resume" and "/finish_weight_update" not in server.paths()
     assert [p for p in servers[0].paths() if p == "/update_weights"] == ["/update_weights"]  # stopped at bucket 1
+
+
+def test_a_rejection_is_raised_at_once_while_another_server_still_waits_in_its_receive(servers):
+    """Server 0 blocks in /update_weights (waiting for broadcasts the failed transfer never sends) and so cannot
+    answer /resume either; server 1 rejects the bucket. The error comes within the resume grace, not at the
+    blocked server's HTTP timeout."""
+    release = threading.Event()
+
+    def blocked(_body):
+        release.wait(30)
+        return {}
+
+    servers[0].handlers.update({"/update_weights": blocked, "/resume": blocked})
+    servers[1].fail.add("/update_weights")
+    sender = NCCLWeightSender([HttpControl(s.url) for s in servers], FakeBroadcaster([]), timeout_s=30,
+                              resume_grace_s=0.5)  # fmt: skip
+    start = time.monotonic()
+    try:
+        with pytest.raises(RolloutServerError, match=f"{servers[1].url}/update_weights: HTTP 500"):
+            sender.send(iter([[("a", torch.ones(2))]]), version=1)
+        assert time.monotonic() - start < 10
+        assert servers[1].paths()[-1] == "/resume"  # the server that answered is resumed
+    finally:
+        release.set()
 
 
 def test_a_server_that_cannot_pause_fails_the_sync_and_the_ones_that_paused_are_resumed(servers):

@@ -197,3 +197,47 @@ def test_a_server_rlpipe_does_not_own_fails_with_its_own_error():
     with pytest.raises(RolloutServerError, match="fake replica 1: connection"):
         pool.generate([[5, i] for i in range(4)], PARAMS, version=2)
     assert pool.live == [0, 1]  # not dropped: the run stops instead, naming the server
+
+
+def test_the_trainer_probe_is_scored_on_the_driver_thread_while_the_replicas_load():
+    """The probe and both loads meet at one barrier (bounded wait): if the probe ran before the loads, or after
+    them, the barrier would break and a False would be recorded."""
+    pool, replicas, published, trainer_calls = _pool(2)
+    together, met = threading.Barrier(3), []
+    plain_probe, plain_load = pool.trainer_probe, FakeReplica.load_weights
+
+    def meet():
+        try:
+            together.wait(timeout=5)
+            met.append(True)
+        except threading.BrokenBarrierError:
+            met.append(False)
+
+    def probe_meeting_the_loads(seqs):
+        meet()
+        return plain_probe(seqs)
+
+    def load_meeting_the_probe(self, artifact, version):
+        meet()
+        plain_load(self, artifact, version)
+
+    pool.trainer_probe = probe_meeting_the_loads
+    for r in replicas:
+        r.load_weights = load_meeting_the_probe.__get__(r)
+    pool.ensure_current(3)
+    assert met == [True, True, True]
+    assert trainer_calls == [threading.current_thread().name]  # the collective stays on the caller's thread
+    assert [r.served_version for r in replicas] == [3, 3] and pool.stats.probe_max_abs_diff == 0.0
+
+
+def test_a_trainer_probe_that_fails_leaves_no_replica_trusted_and_raises_its_error():
+    pool, replicas, _published, _calls = _pool(2)
+
+    def broken_probe(seqs):
+        raise RuntimeError("trainer rank 1 died")
+
+    pool.trainer_probe = broken_probe
+    with pytest.raises(RuntimeError, match="trainer rank 1 died"):
+        pool.ensure_current(2)
+    assert [r.loads for r in replicas] == [[2], [2]]  # loaded, then not trusted
+    assert [r.served_version for r in replicas] == [None, None]
