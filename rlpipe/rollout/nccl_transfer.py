@@ -221,6 +221,7 @@ class NCCLWeightSender:
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         info = update_info([TensorMeta.of(name, t) for name, t in bucket])
         pool = ThreadPoolExecutor(max_workers=len(self.endpoints))
+        answers = []
         try:
             # Every server blocks in its receive until the broadcasts arrive: the POSTs run beside them.
             answers = [pool.submit(e.call, "/update_weights", {"update_info": info}) for e in self.endpoints]
@@ -237,6 +238,9 @@ class NCCLWeightSender:
             for endpoint, answer in zip(self.endpoints, answers, strict=True):
                 if answer not in done:
                     raise WeightSyncError(f"{endpoint.name}: /update_weights did not return after the broadcast")
+        except BaseException:
+            wait(answers, timeout=self.resume_grace_s)  # the others' requests land before they are told to resume
+            raise
         finally:
             pool.shutdown(wait=False)  # after a rejection the other servers may still wait for broadcasts
         return len(bucket)
@@ -248,6 +252,21 @@ def _call_quietly(endpoint: ControlEndpoint, route: str) -> None:
         endpoint.call(route, {})
     except Exception:  # noqa: BLE001
         pass
+
+
+def send_or_drain(sender: NCCLWeightSender, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: int) -> int:
+    """Rank 0's send. If it fails, the rest of `buckets` is still materialised (under FSDP2 each bucket is a gather
+    every rank joins), so the other ranks finish their gathers and only this sync fails, instead of every other
+    rank hanging in its next one."""
+    try:
+        return sender.send(buckets, version)
+    except BaseException:
+        try:
+            for _ in buckets:
+                pass
+        except Exception:  # noqa: BLE001 (the send's own error is the one to report)
+            pass
+        raise
 
 
 def iter_buckets(

@@ -118,7 +118,7 @@ class ServingExport:
 
     def send_weights_nccl(self, version: int, bucket_bytes: int) -> int:
         """Stream the policy to every server in buckets (a collective: under FSDP2 every rank gathers each bucket)."""
-        from rlpipe.rollout.nccl_transfer import iter_buckets
+        from rlpipe.rollout.nccl_transfer import iter_buckets, send_or_drain
 
         def materialize(t: torch.Tensor) -> torch.Tensor:
             return t.full_tensor().detach() if hasattr(t, "full_tensor") else t.detach()
@@ -127,4 +127,4 @@ class ServingExport:
         with torch.no_grad():
             if self.rank != 0:
                 return sum(len(b) for b in buckets)  # join the gathers rank 0's buckets need
-            return self._weight_sender.send(buckets, version)
+            return send_or_drain(self._weight_sender, buckets, version)

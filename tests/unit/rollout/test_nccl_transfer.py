@@ -24,6 +24,7 @@ from rlpipe.rollout.nccl_transfer import (
     iter_buckets,
     join_weight_transfer,
     plan_buckets,
+    send_or_drain,
 )
 from rlpipe.train.distributed import free_port
 from tests.fake_http import Recorder
@@ -140,6 +141,23 @@ def test_a_server_that_cannot_pause_fails_the_sync_and_the_ones_that_paused_are_
         sender.send(iter([[("a", torch.ones(2))]]), version=1)
     assert servers[1].paths() == ["/pause?mode=wait", "/resume"]  # paused, then resumed, nothing started
     assert servers[0].paths()[-1] == "/resume"
+
+
+def test_a_failed_send_still_runs_every_remaining_gather_so_the_other_ranks_do_not_hang(servers):
+    """Under FSDP2 each bucket is materialised by a gather all ranks join: rank 0 must finish them all even when
+    a server rejects the first bucket, or every other rank waits forever in the next gather."""
+    servers[1].fail.add("/update_weights")
+    sender = NCCLWeightSender([HttpControl(s.url) for s in servers], FakeBroadcaster([]), timeout_s=5)
+    gathered = []
+
+    def gather(t):
+        gathered.append(tuple(t.shape))
+        return t
+
+    params = [(f"p{i}", torch.ones(i + 1)) for i in range(4)]
+    with pytest.raises(RolloutServerError, match="update_weights: HTTP 500"):
+        send_or_drain(sender, iter_buckets(params, bucket_bytes=4, materialize=gather), version=1)
+    assert gathered == [(1,), (2,), (3,), (4,)]  # all four, though the send stopped at the first bucket
 
 
 class GlooRank:
