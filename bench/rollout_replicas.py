@@ -104,8 +104,6 @@ def measure(model_dir: str, replicas: int, args, work: Path) -> dict:
         if replicas == 2:
             out["tokens_per_s_one_of_two"] = rates[1]
             out["sync_s_one_of_two"] = statistics.median(m["engine/sync_time_s"] for m in syncs[1])
-        if args.overlap_ab:
-            out.update(overlap_ab(pool, trainer, args.updates))
         return out
     finally:
         pool.close()
@@ -137,22 +135,6 @@ def sync_times(pools: dict, trainer: Trainer, updates: int) -> dict[int, list[di
             if r > 0:
                 syncs[k].append(pools[k].stats.sync_metrics())
     return syncs
-
-
-def overlap_ab(pool, trainer: Trainer, updates: int) -> dict[str, float]:
-    """Wall seconds of a sync with the trainer's probe scored during the replicas' load (what `ensure_current`
-    does) against one with the probe scored first (`stage` publishes and scores it, then the load runs): paired,
-    the two kinds alternating over `updates` updates each."""
-    times: dict[str, list[float]] = {"overlapped": [], "sequential": []}
-    for r in range(2 * updates):
-        kind = ("overlapped", "sequential")[(r + r // 2) % 2]  # o s s o o s s o ...: each kind first half the time
-        trainer.step(1e-4)
-        start = time.perf_counter()
-        if kind == "sequential":
-            pool.stage(trainer.version)
-        pool.ensure_current(trainer.version)
-        times[kind].append(time.perf_counter() - start)
-    return {f"sync_wall_{k}_s": statistics.median(v) for k, v in times.items()}
 
 
 def rollout_rates(pools: dict, prompts: list[list[int]], version: int, args) -> dict[int, float]:
@@ -205,7 +187,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only-smollm2", action="store_true", help="just the SmolLM2 sync against its limit")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
-    args.overlap_ab = False  # measured on SmolLM2 only
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     load_before = os.getloadavg()
     rows, results = [], {}
@@ -222,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         smol = None
         if not args.skip_smollm2:
             smol_dir, _ = _model_dir("smollm2", Path(tmp))
-            smol_args = argparse.Namespace(**{**vars(args), "repeats": 1, "prompts": 8, "overlap_ab": True})
+            smol_args = argparse.Namespace(**{**vars(args), "repeats": 1, "prompts": 8})
             smol = {**byte_limit(smol_dir), **measure(smol_dir, 1, smol_args, Path(tmp))}
             print("smollm2", smol, flush=True)
     ray.shutdown()
@@ -245,13 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     if smol is not None:
         body += (
             f"\n\nSmolLM2-135M, one replica: sync {smol['sync_s']:.2f} s per update (publish {smol['publish_time_s']:.2f}"
-            f" s: state dict to safetensors bytes into the object store; load {smol['load_time_s']:.2f} s: "
-            f"node-local write + vLLM reload + engine-side checks {smol['check_time_s']:.2f} s, the trainer's probe "
-            f"scored meanwhile; probe {smol['verify_time_s']:.2f} s) against {smol['limit_s']:.2f} s to "
+            f" s: state dict to safetensors bytes into the object store, and the trainer's probe; load "
+            f"{smol['load_time_s']:.2f} s: node-local write + vLLM reload + engine-side checks "
+            f"{smol['check_time_s']:.2f} s; probe {smol['verify_time_s']:.2f} s, one batched request) against "
+            f"{smol['limit_s']:.2f} s to "
             f"serialize, write and read its {smol['bytes'] / 2**20:.0f} MiB once ({smol['sync_s'] / smol['limit_s']:.1f}x"
-            " the limit). The trainer's probe during the load against before it (paired, alternating updates): sync "
-            f"wall {smol['sync_wall_overlapped_s']:.2f} s against {smol['sync_wall_sequential_s']:.2f} s "
-            f"({smol['sync_wall_overlapped_s'] / smol['sync_wall_sequential_s']:.2f}x)."
+            " the limit)."
         )
     body += f"\n\nLoad average (1/5/15 min) before {load_before}, after {os.getloadavg()}."
     print(body)

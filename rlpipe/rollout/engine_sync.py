@@ -22,7 +22,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from rlpipe.errors import RolloutServerError, WeightSyncError
@@ -140,25 +139,18 @@ class EngineSync:
         serving_dir = self.publish(version)
         self._staged = (version, serving_dir, self.trainer_probe(self.probe), time.perf_counter() - start)
 
-    def use_published(self, version: int, artifact: str | None,
-                      trainer_logprobs: list[list[float]] | Future[list[list[float]]]) -> None:  # fmt: skip
+    def use_published(self, version: int, artifact: str | None, trainer_logprobs: list[list[float]]) -> None:
         """`version` was published (and the trainer's probe scored) by someone else, a `ReplicaPool` for all its
-        replicas: the next `ensure_current(version)` only loads `artifact` and verifies. `trainer_logprobs` may
-        still be pending (a `Future` the driver's thread fills while this engine loads): it is awaited after the
-        load, before the comparison."""
+        replicas: the next `ensure_current(version)` only loads `artifact` and verifies."""
         self._staged = (version, artifact, trainer_logprobs, 0.0)
 
     def _ensure_current(self, version: int) -> None:
         if self.engine.served_version == version:
             return
         staged, self._staged = self._staged, None
-        pending: Future | None = None  # the trainer's probe, scored meanwhile on the driver's thread
         if staged is not None and staged[0] == version:
             _, serving_dir, trainer_lp, publish_s = staged
-            if isinstance(trainer_lp, Future):
-                pending = trainer_lp
-            else:
-                self._set_probe(version, trainer_lp)
+            self._set_probe(version, trainer_lp)
             self.stats.staged_publish_time_s += publish_s
         else:
             start = time.perf_counter()
@@ -167,12 +159,6 @@ class EngineSync:
         published = time.perf_counter()
         self.engine.load_weights(serving_dir, version)
         loaded = time.perf_counter()
-        if pending is not None:
-            try:
-                self._set_probe(version, pending.result())
-            except BaseException:
-                self.engine.served_version = None  # loaded but never verified
-                raise
         self.verify(version)
         self.stats.syncs += 1
         self.stats.sync_bytes += getattr(self.engine, "last_load_bytes", 0) or published_bytes(serving_dir)

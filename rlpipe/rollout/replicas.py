@@ -4,10 +4,8 @@ The pool has the interface the loops use (`generate`, `generate_served`, `stage`
 `stats`), so one replica and several go through the same code. Per update the policy is published once (a
 collective on the trainer, on the driver's thread), the trainer's probe is scored once, and every replica loads and
 verifies in parallel: its probe difference, its relative check and its own engine-side evidence; a replica that
-fails verification stops the run with `WeightSyncError` naming it. The trainer's probe is scored on the driver's
-thread while the replicas load (`_publish_and_load`), so it costs the sync nothing unless it is the slower side.
-Sampling routes the prompts (`routing.assign_prompts`), runs the replicas in parallel and returns the generations
-in prompt order.
+fails verification stops the run with `WeightSyncError` naming it. Sampling routes the prompts
+(`routing.assign_prompts`), runs the replicas in parallel and returns the generations in prompt order.
 
 Faults: a replica whose server dies mid-rollout keeps what it finished; its failed prompts are re-sent to a live
 replica (each prompt keeps its own seed, so its samples are what that replica would have drawn for it), and the dead
@@ -22,7 +20,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlpipe.errors import RolloutServerError, WeightSyncError
@@ -139,43 +137,20 @@ class ReplicaPool:
         stale = [i for i in self.live if self.syncs[i].engine.served_version != version]
         if not stale:
             return
-        if self._published is not None and self._published[0] == version:  # staged: the probe is scored
-            _, artifact, trainer_lp = self._published
-            outcomes = self._parallel(stale, lambda i: self._load_one(i, version, artifact, trainer_lp))
-        else:
-            artifact, outcomes = self._publish_and_load(stale, version)
+        self._publish_once(version)
+        _, artifact, trainer_lp = self._published
+        for i in stale:
+            self.syncs[i].use_published(version, artifact, trainer_lp)
+        outcomes = self._parallel(stale, lambda i: self.syncs[i].ensure_current(version))
         for i, exc in outcomes.items():
             if exc is None:
                 continue
             if isinstance(exc, WeightSyncError) or not isinstance(exc, RolloutServerError):
                 raise exc  # a replica that loaded but does not verify stops the run, naming it
             if self._restart(i, exc):
-                self._load_one(i, version, artifact, self._published[2])
+                self.syncs[i].use_published(version, artifact, trainer_lp)
+                self.syncs[i].ensure_current(version)
         self._require_live()
-
-    def _publish_and_load(self, stale: list[int], version: int) -> tuple[Any, dict[int, Any]]:
-        """Publish `version`, then load it on every stale replica while this (the driver's) thread scores the
-        trainer's probe, a collective that needs nothing from the replicas: each one awaits it only to compare.
-        Returns the artifact and each replica's outcome (None, or its exception)."""
-        start = time.perf_counter()
-        artifact = self.publish(version)
-        self._publish_s += time.perf_counter() - start
-        trainer_lp: Future[list[list[float]]] = Future()
-        with ThreadPoolExecutor(max_workers=len(stale)) as pool:  # a thread even for one: this one scores
-            futures = {i: pool.submit(_capture, lambda i: self._load_one(i, version, artifact, trainer_lp), i)
-                       for i in stale}  # fmt: skip
-            try:
-                scored = self.trainer_probe(self.probe)
-            except BaseException as exc:
-                trainer_lp.set_exception(exc)  # every replica stops at its comparison; the loads are awaited
-                raise
-            trainer_lp.set_result(scored)
-            self._published = (version, artifact, scored)
-        return artifact, {i: f.result() for i, f in futures.items()}
-
-    def _load_one(self, i: int, version: int, artifact: Any, trainer_lp) -> None:
-        self.syncs[i].use_published(version, artifact, trainer_lp)
-        self.syncs[i].ensure_current(version)
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Generation]:
