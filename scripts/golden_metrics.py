@@ -7,8 +7,15 @@
     .venv/bin/python scripts/golden_metrics.py record tests/golden/hf-20.json --set iterations=20
     .venv/bin/python scripts/golden_metrics.py record /tmp/vllm-6.json --set iterations=6 --set rollout.engine=vllm
     .venv/bin/python scripts/golden_metrics.py compare tests/golden/hf-20.json
+    .venv/bin/python scripts/golden_metrics.py record-format1 tests/golden/AuthenticAMD-AVX2/format1-resume.json
 
 `tests/integration/test_golden_metrics.py` runs `compare` for the HF file in the suite.
+
+The bits depend on the CPU as well as the code: MKL and ATen pick their kernels by vendor and SIMD level, so a run
+on another kind of CPU samples other tokens from the first iteration on. `tests/golden/hf-20.json` and the
+format-1 fixture's metrics were recorded on the CI machines of 2026-12 up to stop 38; a platform with its own
+recording (`numerics_platform()`, e.g. `tests/golden/AuthenticAMD-AVX2/`) is compared against that instead
+(`golden_file`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,29 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 EXPERIMENT = "golden"
+GOLDEN_DIR = REPO / "tests" / "golden"
+FORMAT1 = REPO / "tests" / "fixtures" / "checkpoint-format1"
+
+
+def numerics_platform() -> str:
+    """What fixes the bits of a CPU run besides the code: the CPU vendor and the SIMD level of torch's kernels."""
+    import torch
+
+    vendor = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                vendor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{vendor}-{torch.backends.cpu.get_cpu_capability()}"
+
+
+def golden_file(name: str) -> Path | None:
+    """This platform's own recording of `name` if it has one, else None (use the original recording)."""
+    path = GOLDEN_DIR / numerics_platform() / name
+    return path if path.is_file() else None
 
 
 def run_once(overrides: list[str], workdir: Path, resume: bool = False) -> list[dict[str, float]]:
@@ -84,6 +114,25 @@ def record(path: Path, overrides: list[str]) -> None:
     print(f"{path}: {len(a)} rows, {len(cols)} reproducible columns; not reproducible here: {', '.join(dropped)}")
 
 
+def resume_format1(workdir: Path) -> list[dict[str, float]]:
+    """Rows 3-4 of a 4-iteration run resumed from the format-1 fixture's iteration-2 checkpoint."""
+    import shutil
+
+    shutil.copytree(FORMAT1 / "step-000002", workdir / "ckpt" / EXPERIMENT / "step-000002")
+    return run_once(["iterations=4"], workdir, resume=True)
+
+
+def record_format1(path: Path) -> None:
+    """This platform's rows of the format-1 resume (two runs; the columns on which they agree)."""
+    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+        a, b = resume_format1(Path(d1)), resume_format1(Path(d2))
+    cols = agreeing_columns(a, b)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"columns": cols, "rows": [{k: r[k] for k in cols} for r in a]}, indent=1,
+                               sort_keys=True) + "\n")  # fmt: skip
+    print(f"{path}: {len(a)} rows, {len(cols)} reproducible columns ({numerics_platform()})")
+
+
 def compare(path: Path) -> int:
     golden = json.loads(path.read_text())
     with tempfile.TemporaryDirectory() as d:
@@ -95,12 +144,15 @@ def compare(path: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["record", "compare"])
+    parser.add_argument("action", choices=["record", "compare", "record-format1"])
     parser.add_argument("path", type=Path)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (record)")
     args = parser.parse_args()
     if args.action == "record":
         record(args.path, args.set)
+        return 0
+    if args.action == "record-format1":
+        record_format1(args.path)
         return 0
     return compare(args.path)
 
