@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,15 +104,20 @@ def differences(golden: dict, rows: list[dict[str, float]]) -> list[str]:
 
 
 def record(path: Path, overrides: list[str]) -> None:
+    _record_twice(path, lambda workdir: run_once(overrides, workdir), {"overrides": overrides})
+
+
+def _record_twice(path: Path, run: Callable[[Path], list[dict[str, float]]], header: dict) -> None:
+    """`run` twice in fresh directories; write `header` and the columns on which both runs agree to the last bit."""
     with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
-        a, b = run_once(overrides, Path(d1)), run_once(overrides, Path(d2))
+        a, b = run(Path(d1)), run(Path(d2))
     cols = agreeing_columns(a, b)
     dropped = sorted(set().union(*(set(r) for r in a)) - set(cols))
-    golden = {"overrides": overrides, "columns": cols, "dropped": dropped,
-              "rows": [{k: r[k] for k in cols} for r in a]}  # fmt: skip
+    golden = {**header, "columns": cols, "dropped": dropped, "rows": [{k: r[k] for k in cols} for r in a]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-    print(f"{path}: {len(a)} rows, {len(cols)} reproducible columns; not reproducible here: {', '.join(dropped)}")
+    print(f"{path}: {len(a)} rows, {len(cols)} reproducible columns on {numerics_platform()}; not reproducible "
+          f"here: {', '.join(dropped)}")  # fmt: skip
 
 
 def resume_format1(workdir: Path) -> list[dict[str, float]]:
@@ -123,14 +129,8 @@ def resume_format1(workdir: Path) -> list[dict[str, float]]:
 
 
 def record_format1(path: Path) -> None:
-    """This platform's rows of the format-1 resume (two runs; the columns on which they agree)."""
-    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
-        a, b = resume_format1(Path(d1)), resume_format1(Path(d2))
-    cols = agreeing_columns(a, b)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"columns": cols, "rows": [{k: r[k] for k in cols} for r in a]}, indent=1,
-                               sort_keys=True) + "\n")  # fmt: skip
-    print(f"{path}: {len(a)} rows, {len(cols)} reproducible columns ({numerics_platform()})")
+    """This platform's rows of the format-1 resume."""
+    _record_twice(path, resume_format1, {})
 
 
 def compare(path: Path) -> int:

@@ -21,7 +21,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "hf-20.json"
-FORMAT1 = REPO / "tests" / "fixtures" / "checkpoint-format1"
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +42,7 @@ def test_default_run_reproduces_the_recorded_metrics(tmp_path):
 
 def test_a_format_1_checkpoint_resumes_into_the_unbroken_runs_rows(tmp_path):
     script = _golden_script()
-    old_state = json.loads((FORMAT1 / "step-000002" / "train_state.json").read_text())
+    old_state = json.loads((script.FORMAT1 / "step-000002" / "train_state.json").read_text())
     assert "format" not in old_state and "consumed_samples" in old_state  # really the old schema
     rows = script.resume_format1(tmp_path)
     own = script.golden_file("format1-resume.json")
@@ -51,7 +50,7 @@ def test_a_format_1_checkpoint_resumes_into_the_unbroken_runs_rows(tmp_path):
         want = json.loads(own.read_text())
     else:  # the unbroken run's own rows 3-4, on the CPU that wrote the fixture
         columns = json.loads(GOLDEN.read_text())["columns"]
-        unbroken = [json.loads(line) for line in (FORMAT1 / "metrics.jsonl").read_text().splitlines()]
+        unbroken = [json.loads(line) for line in (script.FORMAT1 / "metrics.jsonl").read_text().splitlines()]
         want = {"rows": [{k: r[k] for k in columns} for r in unbroken[2:]]}
     assert [r["iteration"] for r in rows] == [3.0, 4.0]
     assert script.differences(want, rows) == []
